@@ -1,0 +1,351 @@
+// Flexible flash attention on the CPU: blockwise online softmax over the slices that touch each block.
+//
+// Forward: one task per (q block, q head) walks every slice touching its rows and, for each, only the key
+// blocks those rows attend; one online softmax spans all of them, so overlapping slices merge exactly.
+// Backward: dq by the same walk; dk/dv by the mirror walk, one task per (k block, kv head) over the rows
+// attending its keys. Every output element has one owner task: no atomics, deterministic by construction.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_kernels.h"
+#include "ffa_cpu.h"
+
+namespace magi_jax::cpu {
+namespace {
+
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 64;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Params {
+  FfaDims dims;
+  float scale, softcap;
+  std::vector<Slice> slices;
+};
+
+Params MakeParams(const FfaDims& dims, float scale, float softcap, const ffi::Buffer<ffi::S32>& q_ranges,
+                  const ffi::Buffer<ffi::S32>& k_ranges, const ffi::Buffer<ffi::S32>& types) {
+  Params p{dims, scale, softcap, {}};
+  p.slices.reserve(dims.num_slices);
+  for (int64_t i = 0; i < dims.num_slices; ++i)
+    p.slices.push_back(LoadSlice(q_ranges.typed_data(), k_ranges.typed_data(), types.typed_data(), i, dims.tq,
+                                 dims.tk));
+  return p;
+}
+
+// Rows [b, e) of head h of a [T, H, D] tensor, converted to float [e - b][D].
+template <typename T>
+void LoadRows(const T* x, int64_t heads, int64_t d, int64_t h, int64_t b, int64_t e, float* dst) {
+  for (int64_t r = b; r < e; ++r) {
+    const T* src = x + (r * heads + h) * d;
+    for (int64_t j = 0; j < d; ++j) dst[(r - b) * d + j] = ToFloat(src[j]);
+  }
+}
+
+// The same rows transposed to [D][e - b].
+template <typename T>
+void LoadRowsTransposed(const T* x, int64_t heads, int64_t d, int64_t h, int64_t b, int64_t e, float* dst) {
+  int64_t n = e - b;
+  for (int64_t r = b; r < e; ++r) {
+    const T* src = x + (r * heads + h) * d;
+    for (int64_t j = 0; j < d; ++j) dst[j * n + (r - b)] = ToFloat(src[j]);
+  }
+}
+
+// Turns raw scores q.k into logits in place (scale, then softcap) and masks cells outside each row's
+// keys with -inf. Rows are [r0, r0 + m), columns [c0, c0 + n) of slice s.
+void MakeLogits(const Params& p, const Slice& s, int64_t r0, int64_t m, int64_t c0, int64_t n, float* scores) {
+  for (int64_t i = 0; i < m; ++i) {
+    int64_t lo, hi;
+    RowKeys(s, r0 + i, &lo, &hi);
+    float* row = scores + i * n;
+    for (int64_t j = 0; j < n; ++j) {
+      int64_t c = c0 + j;
+      if (c < lo || c >= hi) {
+        row[j] = kNegInf;
+      } else if (p.softcap > 0.0f) {
+        row[j] = p.softcap * std::tanh(row[j] * p.scale / p.softcap);
+      } else {
+        row[j] *= p.scale;
+      }
+    }
+  }
+}
+
+// Per-worker scratch, sized once per call.
+struct Scratch {
+  std::vector<float> q, kt, k, v, vt, s, dp, acc, dout, m, l, delta, lse;
+  explicit Scratch(int64_t d) {
+    for (auto* buf : {&q, &dout, &acc, &kt, &k, &v, &vt}) buf->resize(std::max(kBlockQ, kBlockK) * d);
+    s.resize(kBlockQ * kBlockK);
+    dp.resize(kBlockQ * kBlockK);
+    for (auto* buf : {&m, &l, &delta, &lse}) buf->resize(std::max(kBlockQ, kBlockK));
+  }
+};
+
+// Slice s restricted to rows [rb, re): the span of keys they attend, [*kb, *ke).
+// Bounds are monotone in the row, so the first row gives the lowest key and the last row the highest.
+void KeySpan(const Slice& s, int64_t rb, int64_t re, int64_t* kb, int64_t* ke) {
+  int64_t unused;
+  RowKeys(s, rb, kb, &unused);
+  RowKeys(s, re - 1, &unused, ke);
+}
+
+// Keys [cb, ce) of slice s: the span of rows attending them, [*rb, *re).
+void RowSpan(const Slice& s, int64_t cb, int64_t ce, int64_t* rb, int64_t* re) {
+  int64_t unused;
+  KeyRows(s, cb, rb, &unused);
+  KeyRows(s, ce - 1, &unused, re);
+}
+
+BlockLists QBlockLists(const Params& p) {
+  return MakeBlockLists(p.slices, p.dims.tq, kBlockQ, [](const Slice& s) {
+    return std::pair<int64_t, int64_t>(s.qs, s.ke > s.ks ? s.qe : s.qs);
+  });
+}
+
+BlockLists KBlockLists(const Params& p) {
+  return MakeBlockLists(p.slices, p.dims.tk, kBlockK, [](const Slice& s) {
+    return std::pair<int64_t, int64_t>(s.ks, s.qe > s.qs ? s.ke : s.ks);
+  });
+}
+
+template <typename T>
+void Forward(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse) {
+  const auto& [tq, tk, hq, hkv, d, n] = p.dims;
+  const int64_t group = hq / hkv;
+  BlockLists lists = QBlockLists(p);
+  const int64_t nqb = (tq + kBlockQ - 1) / kBlockQ;
+  std::vector<Scratch> scratch(NumWorkers(nqb * hq), Scratch(d));
+
+  ParallelFor(nqb * hq, [&](int64_t task, int worker) {
+    Scratch& w = scratch[worker];
+    const int64_t qb = task / hq, h = task % hq, r0 = qb * kBlockQ, r1 = std::min(tq, r0 + kBlockQ);
+    const int64_t m = r1 - r0;
+    LoadRows(q, hq, d, h, r0, r1, w.q.data());
+    std::fill(w.acc.begin(), w.acc.begin() + m * d, 0.0f);
+    std::fill(w.m.begin(), w.m.begin() + m, kNegInf);
+    std::fill(w.l.begin(), w.l.begin() + m, 0.0f);
+    for (int64_t x = lists.offsets[qb]; x < lists.offsets[qb + 1]; ++x) {
+      const Slice& s = p.slices[lists.ids[x]];
+      const int64_t rb = std::max(r0, s.qs), re = std::min(r1, s.qe);
+      int64_t kb, ke;
+      KeySpan(s, rb, re, &kb, &ke);
+      for (int64_t c0 = kb; c0 < ke; c0 += kBlockK) {
+        const int64_t nc = std::min(ke, c0 + kBlockK) - c0, mr = re - rb;
+        LoadRowsTransposed(k, hkv, d, h / group, c0, c0 + nc, w.kt.data());
+        LoadRows(v, hkv, d, h / group, c0, c0 + nc, w.v.data());
+        MatMul(w.q.data() + (rb - r0) * d, w.kt.data(), w.s.data(), int(mr), int(d), int(nc), false);
+        MakeLogits(p, s, rb, mr, c0, nc, w.s.data());
+        for (int64_t i = 0; i < mr; ++i) {  // online softmax update of row rb + i
+          float* row = w.s.data() + i * nc;
+          float mx = kNegInf;
+          for (int64_t j = 0; j < nc; ++j) mx = std::max(mx, row[j]);
+          const int64_t ri = rb - r0 + i;
+          const float m_new = std::max(w.m[ri], mx);
+          if (m_new == kNegInf) {
+            std::fill(row, row + nc, 0.0f);
+            continue;
+          }
+          const float alpha = std::exp(w.m[ri] - m_new);
+          float sum = 0.0f;
+          for (int64_t j = 0; j < nc; ++j) sum += (row[j] = std::exp(row[j] - m_new));
+          w.l[ri] = w.l[ri] * alpha + sum;
+          w.m[ri] = m_new;
+          for (int64_t j = 0; j < d; ++j) w.acc[ri * d + j] *= alpha;
+        }
+        MatMul(w.s.data(), w.v.data(), w.acc.data() + (rb - r0) * d, int(mr), int(nc), int(d), true);
+      }
+    }
+    for (int64_t i = 0; i < m; ++i) {
+      const bool empty = w.l[i] == 0.0f;
+      const float inv = empty ? 0.0f : 1.0f / w.l[i];
+      T* o = out + ((r0 + i) * hq + h) * d;
+      for (int64_t j = 0; j < d; ++j) o[j] = FromFloat<T>(w.acc[i * d + j] * inv);
+      lse[(r0 + i) * hq + h] = empty ? kNegInf : w.m[i] + std::log(w.l[i]);
+    }
+  });
+}
+
+// Probabilities and score gradients of one (rows x keys) tile: on entry s holds raw scores and dp holds
+// dout.v; on exit s holds P and dp holds dS = dlogit/dscore * P * (dP - delta), ready for dq/dk.
+void TileGradients(const Params& p, const Slice& s, int64_t rb, int64_t mr, int64_t c0, int64_t nc,
+                   const float* lse, const float* delta, float* sc, float* dp) {
+  MakeLogits(p, s, rb, mr, c0, nc, sc);
+  for (int64_t i = 0; i < mr; ++i) {
+    for (int64_t j = 0; j < nc; ++j) {
+      const int64_t x = i * nc + j;
+      if (sc[x] == kNegInf) {
+        sc[x] = dp[x] = 0.0f;
+        continue;
+      }
+      const float logit = sc[x];
+      const float prob = std::exp(logit - lse[i]);
+      float ds = prob * (dp[x] - delta[i]) * p.scale;
+      if (p.softcap > 0.0f) {
+        const float t = logit / p.softcap;
+        ds *= 1.0f - t * t;
+      }
+      sc[x] = prob;
+      dp[x] = ds;
+    }
+  }
+}
+
+template <typename T>
+void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out, const T* dout,
+              const float* lse, const float* dlse, T* dq, T* dk, T* dv) {
+  const auto& [tq, tk, hq, hkv, d, n] = p.dims;
+  const int64_t group = hq / hkv;
+  // delta = rowsum(dout * out) - dlse: the softmax-gradient correction of every (row, head); lse's own
+  // cotangent enters here because d lse / d logit = P.
+  std::vector<float> delta(tq * hq);
+  ParallelFor(hq, [&](int64_t h, int) {
+    for (int64_t r = 0; r < tq; ++r) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < d; ++j)
+        acc += ToFloat(dout[(r * hq + h) * d + j]) * ToFloat(out[(r * hq + h) * d + j]);
+      delta[r * hq + h] = acc - dlse[r * hq + h];
+    }
+  });
+  auto row_stats = [&](Scratch& w, int64_t h, int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      w.lse[r - b] = lse[r * hq + h];
+      w.delta[r - b] = delta[r * hq + h];
+    }
+  };
+
+  // dq: one task per (q block, q head).
+  BlockLists qlists = QBlockLists(p);
+  const int64_t nqb = (tq + kBlockQ - 1) / kBlockQ;
+  std::vector<Scratch> scratch(NumWorkers(std::max(nqb * hq, hkv)), Scratch(d));
+  ParallelFor(nqb * hq, [&](int64_t task, int worker) {
+    Scratch& w = scratch[worker];
+    const int64_t qb = task / hq, h = task % hq, r0 = qb * kBlockQ, r1 = std::min(tq, r0 + kBlockQ);
+    std::fill(w.acc.begin(), w.acc.begin() + (r1 - r0) * d, 0.0f);
+    for (int64_t x = qlists.offsets[qb]; x < qlists.offsets[qb + 1]; ++x) {
+      const Slice& s = p.slices[qlists.ids[x]];
+      const int64_t rb = std::max(r0, s.qs), re = std::min(r1, s.qe), mr = re - rb;
+      int64_t kb, ke;
+      KeySpan(s, rb, re, &kb, &ke);
+      if (kb >= ke) continue;
+      LoadRows(q, hq, d, h, rb, re, w.q.data());
+      LoadRows(dout, hq, d, h, rb, re, w.dout.data());
+      row_stats(w, h, rb, re);
+      for (int64_t c0 = kb; c0 < ke; c0 += kBlockK) {
+        const int64_t nc = std::min(ke, c0 + kBlockK) - c0;
+        LoadRowsTransposed(k, hkv, d, h / group, c0, c0 + nc, w.kt.data());
+        LoadRows(k, hkv, d, h / group, c0, c0 + nc, w.k.data());
+        LoadRowsTransposed(v, hkv, d, h / group, c0, c0 + nc, w.vt.data());
+        MatMul(w.q.data(), w.kt.data(), w.s.data(), int(mr), int(d), int(nc), false);
+        MatMul(w.dout.data(), w.vt.data(), w.dp.data(), int(mr), int(d), int(nc), false);
+        TileGradients(p, s, rb, mr, c0, nc, w.lse.data(), w.delta.data(), w.s.data(), w.dp.data());
+        MatMul(w.dp.data(), w.k.data(), w.acc.data() + (rb - r0) * d, int(mr), int(nc), int(d), true);
+      }
+    }
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < d; ++j) dq[(r * hq + h) * d + j] = FromFloat<T>(w.acc[(r - r0) * d + j]);
+  });
+
+  // dk, dv: one task per (k block, kv head), over every q head of its group, so each task owns its rows
+  // of dk and dv. Tiles are rows x keys as in the forward; P and dS are transposed to accumulate.
+  BlockLists klists = KBlockLists(p);
+  const int64_t nkb = (tk + kBlockK - 1) / kBlockK;
+  std::vector<Scratch> kscratch(NumWorkers(nkb * hkv), Scratch(d));
+  ParallelFor(nkb * hkv, [&](int64_t task, int worker) {
+    Scratch& w = kscratch[worker];
+    const int64_t kblk = task / hkv, hk = task % hkv, c0 = kblk * kBlockK, c1 = std::min(tk, c0 + kBlockK);
+    const int64_t nc = c1 - c0;
+    std::vector<float> dk_acc(nc * d, 0.0f), dv_acc(nc * d, 0.0f);
+    std::vector<float> pt(kBlockQ * kBlockK), dst(kBlockQ * kBlockK);
+    for (int64_t x = klists.offsets[kblk]; x < klists.offsets[kblk + 1]; ++x) {
+      const Slice& s = p.slices[klists.ids[x]];
+      const int64_t cb = std::max(c0, s.ks), ce = std::min(c1, s.ke), mc = ce - cb;
+      int64_t rb_all, re_all;
+      RowSpan(s, cb, ce, &rb_all, &re_all);
+      if (rb_all >= re_all) continue;
+      LoadRowsTransposed(k, hkv, d, hk, cb, ce, w.kt.data());
+      LoadRowsTransposed(v, hkv, d, hk, cb, ce, w.vt.data());
+      for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+        for (int64_t rb = rb_all; rb < re_all; rb += kBlockQ) {
+          const int64_t re = std::min(re_all, rb + kBlockQ), mr = re - rb;
+          LoadRows(q, hq, d, h, rb, re, w.q.data());
+          LoadRows(dout, hq, d, h, rb, re, w.dout.data());
+          row_stats(w, h, rb, re);
+          MatMul(w.q.data(), w.kt.data(), w.s.data(), int(mr), int(d), int(mc), false);
+          MatMul(w.dout.data(), w.vt.data(), w.dp.data(), int(mr), int(d), int(mc), false);
+          TileGradients(p, s, rb, mr, cb, mc, w.lse.data(), w.delta.data(), w.s.data(), w.dp.data());
+          for (int64_t i = 0; i < mr; ++i)
+            for (int64_t j = 0; j < mc; ++j) {
+              pt[j * mr + i] = w.s[i * mc + j];
+              dst[j * mr + i] = w.dp[i * mc + j];
+            }
+          MatMul(pt.data(), w.dout.data(), dv_acc.data() + (cb - c0) * d, int(mc), int(mr), int(d), true);
+          MatMul(dst.data(), w.q.data(), dk_acc.data() + (cb - c0) * d, int(mc), int(mr), int(d), true);
+        }
+      }
+    }
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t j = 0; j < d; ++j) {
+        dk[(c * hkv + hk) * d + j] = FromFloat<T>(dk_acc[(c - c0) * d + j]);
+        dv[(c * hkv + hk) * d + j] = FromFloat<T>(dv_acc[(c - c0) * d + j]);
+      }
+  });
+}
+
+// Calls fn with the element type of the buffer as a template tag.
+template <typename Fn>
+ffi::Error DispatchDtype(ffi::DataType dtype, Fn&& fn) {
+  switch (dtype) {
+    case ffi::F32: fn(float{}); return ffi::Error::Success();
+    case ffi::BF16: fn(Bf16{}); return ffi::Error::Success();
+    case ffi::F16: fn(Half{}); return ffi::Error::Success();
+    default: return ffi::Error::InvalidArgument("q, k, v: dtype must be float32, bfloat16 or float16");
+  }
+}
+
+template <typename T>
+T* Data(const ffi::AnyBuffer& b) { return reinterpret_cast<T*>(b.untyped_data()); }
+template <typename T>
+T* Data(ffi::Result<ffi::AnyBuffer>& b) { return reinterpret_cast<T*>(b->untyped_data()); }
+
+ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges,
+                      ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, float softmax_scale,
+                      float softcap, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
+  if (dims.has_error()) return dims.error();
+  if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
+  Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
+  return DispatchDtype(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    Forward<T>(p, Data<T>(q), Data<T>(k), Data<T>(v), Data<T>(out), lse->typed_data());
+  });
+}
+
+ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
+                      ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
+                      ffi::Buffer<ffi::S32> q_ranges,
+                      ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, float softmax_scale,
+                      float softcap, bool /*deterministic: always so on the CPU*/,
+                      ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                      ffi::Result<ffi::AnyBuffer> dv) {
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
+  if (dims.has_error()) return dims.error();
+  for (auto [name, buf, ref] : {std::tuple{"out", &out, &q}, {"dout", &dout, &q}})
+    if (auto err = CheckSameShape(name, *buf, *ref); err.failure()) return err;
+  Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
+  return DispatchDtype(q.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    Backward<T>(p, Data<T>(q), Data<T>(k), Data<T>(v), Data<T>(out), Data<T>(dout), lse.typed_data(), dlse.typed_data(),
+                Data<T>(dq), Data<T>(dk), Data<T>(dv));
+  });
+}
+
+}  // namespace
+}  // namespace magi_jax::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiFfaFwdCpu, magi_jax::cpu::FfaFwdImpl,
+                              magi_jax::BindFfaFwd(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiFfaBwdCpu, magi_jax::cpu::FfaBwdImpl,
+                              magi_jax::BindFfaBwd(xla::ffi::Ffi::Bind()));

@@ -1,0 +1,98 @@
+// The FFA custom-call interface shared by every platform (CPU in ffi/, CUDA in cuda/).
+//
+// Targets (registered per platform under the same names):
+//   magi_jax_ffa_fwd: (q, k, v, q_ranges, k_ranges, attn_type_map) -> (out, lse)
+//   magi_jax_ffa_bwd: (q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map) -> (dq, dk, dv)
+// Shapes: q/out/dout/dq [Tq, Hq, D]; k/v/dk/dv [Tk, Hkv, D]; lse and dlse (the cotangent of lse, used when
+// partial results are merged by lse) [Tq, Hq] float32;
+// ranges int32 [N, 2] (half-open); attn_type_map int32 [N] (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL).
+// q, k, v share one dtype (bf16, fp16, fp32); out and the gradients have the inputs' dtype.
+// Logits: scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0. Rows covered by several
+// slices take one softmax over all their keys, a cell counting once per covering slice. Empty rows: out 0,
+// lse -inf, zero gradients. Ranges outside [0, T] are clamped; reversed ranges are empty.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace magi_jax {
+
+namespace ffi = xla::ffi;
+
+enum MaskType : int32_t { kFull = 0, kCausal = 1, kInvCausal = 2, kBiCausal = 3 };
+
+// Appends the forward arguments, attributes and results to a binding that already holds the
+// platform's context (a stream on CUDA, nothing on CPU).
+template <typename Binding>
+auto BindFfaFwd(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()                    // k
+      .template Arg<ffi::AnyBuffer>()                    // v
+      .template Arg<ffi::Buffer<ffi::S32>>()             // q_ranges [N, 2]
+      .template Arg<ffi::Buffer<ffi::S32>>()             // k_ranges [N, 2]
+      .template Arg<ffi::Buffer<ffi::S32>>()             // attn_type_map [N]
+      .template Attr<float>("softmax_scale")
+      .template Attr<float>("softcap")
+      .template Ret<ffi::AnyBuffer>()                    // out
+      .template Ret<ffi::Buffer<ffi::F32>>();            // lse [Tq, Hq]
+}
+
+template <typename Binding>
+auto BindFfaBwd(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()                    // k
+      .template Arg<ffi::AnyBuffer>()                    // v
+      .template Arg<ffi::AnyBuffer>()                    // out
+      .template Arg<ffi::AnyBuffer>()                    // dout
+      .template Arg<ffi::Buffer<ffi::F32>>()             // lse
+      .template Arg<ffi::Buffer<ffi::F32>>()             // dlse
+      .template Arg<ffi::Buffer<ffi::S32>>()             // q_ranges
+      .template Arg<ffi::Buffer<ffi::S32>>()             // k_ranges
+      .template Arg<ffi::Buffer<ffi::S32>>()             // attn_type_map
+      .template Attr<float>("softmax_scale")
+      .template Attr<float>("softcap")
+      .template Attr<bool>("deterministic")
+      .template Ret<ffi::AnyBuffer>()                    // dq
+      .template Ret<ffi::AnyBuffer>()                    // dk
+      .template Ret<ffi::AnyBuffer>();                   // dv
+}
+
+// Problem sizes, read from the buffers once the shapes are checked.
+struct FfaDims {
+  int64_t tq, tk, hq, hkv, d, num_slices;
+};
+
+inline ffi::Error CheckSameShape(const char* name, const ffi::AnyBuffer& a, const ffi::AnyBuffer& ref) {
+  auto da = a.dimensions(), dr = ref.dimensions();
+  bool same = da.size() == dr.size() && a.element_type() == ref.element_type();
+  for (size_t i = 0; same && i < da.size(); ++i) same = da[i] == dr[i];
+  if (!same) return ffi::Error::InvalidArgument(std::string(name) + ": shape or dtype differs from its pair");
+  return ffi::Error::Success();
+}
+
+// Checks ranks and shape agreement of the forward inputs (the Python wrapper gives clearer errors first;
+// this guards direct callers of the custom call).
+inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                            const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& q_ranges,
+                                            const ffi::Buffer<ffi::S32>& k_ranges,
+                                            const ffi::Buffer<ffi::S32>& types) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 3 || kd.size() != 3) return ffi::Error::InvalidArgument("q and k must be [T, H, D]");
+  if (auto err = CheckSameShape("v", v, k); err.failure()) return err;
+  if (k.element_type() != q.element_type()) return ffi::Error::InvalidArgument("k: dtype differs from q");
+  FfaDims dims{qd[0], kd[0], qd[1], kd[1], qd[2], 0};
+  if (kd[2] != dims.d) return ffi::Error::InvalidArgument("k: head dim differs from q");
+  if (dims.hkv == 0 || dims.hq % dims.hkv != 0)
+    return ffi::Error::InvalidArgument("q heads must be a multiple of k heads");
+  auto qr = q_ranges.dimensions(), kr = k_ranges.dimensions(), td = types.dimensions();
+  if (qr.size() != 2 || qr[1] != 2 || kr.size() != 2 || kr[1] != 2 || kr[0] != qr[0] || td.size() != 1 ||
+      td[0] != qr[0])
+    return ffi::Error::InvalidArgument("q_ranges/k_ranges must be [N, 2] and attn_type_map [N]");
+  dims.num_slices = qr[0];
+  return dims;
+}
+
+}  // namespace magi_jax

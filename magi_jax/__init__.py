@@ -1,0 +1,7 @@
+"""magi_jax: flexible-mask (MagiAttention-style) attention for JAX, on one device and over many."""
+
+from magi_jax import masks
+from magi_jax.ffa import flex_flash_attn
+from magi_jax.mask import AttnMask, AttnMaskType
+
+__all__ = ["AttnMask", "AttnMaskType", "flex_flash_attn", "masks"]

@@ -1,0 +1,47 @@
+"""Registration of the FFA custom calls: the CPU module always, the CUDA library where it was built."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pathlib
+
+import jax
+
+from magi_jax import _ffi_cpu
+
+FFA_FWD = "magi_jax_ffa_fwd"
+FFA_BWD = "magi_jax_ffa_bwd"
+
+# Target name -> exported handler symbol of the CUDA library (cuda/).
+CUDA_SYMBOLS = {FFA_FWD: "MagiFfaFwdCuda", FFA_BWD: "MagiFfaBwdCuda"}
+CUDA_LIBRARY = "libmagi_jax_cuda.so"
+
+
+def _cuda_library_path() -> pathlib.Path | None:
+    """MAGI_JAX_CUDA_LIB, else the library installed beside this file by the CMake build."""
+    env = os.environ.get("MAGI_JAX_CUDA_LIB")
+    if env:
+        return pathlib.Path(env)
+    for folder in (pathlib.Path(__file__).parent, pathlib.Path(_ffi_cpu.__file__).parent):
+        if (folder / CUDA_LIBRARY).exists():
+            return folder / CUDA_LIBRARY
+    return None
+
+
+def _register() -> bool:
+    for name, capsule in _ffi_cpu.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    path = _cuda_library_path()
+    if path is None:
+        return False
+    # Registering for CUDA needs no GPU (the target is only looked up when compiling for one), so this
+    # does not start any backend at import.
+    library = ctypes.cdll.LoadLibrary(str(path))
+    for name, symbol in CUDA_SYMBOLS.items():
+        if hasattr(library, symbol):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="CUDA")
+    return True
+
+
+HAS_CUDA_LIBRARY = _register()

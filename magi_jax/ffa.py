@@ -1,0 +1,128 @@
+"""flex_flash_attn: flexible-mask attention on one device, a custom_vjp over the two FFA custom calls."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magi_jax import _ffi
+from magi_jax.mask import AttnMask
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_ranges=None,
+                    attn_type_map=None, *, mask: AttnMask | None = None, softmax_scale: float | None = None,
+                    softcap: float = 0.0, deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Attention of packed q [Tq, Hq, D] over k, v [Tk, Hkv, D] restricted to a flexible mask.
+
+    The mask is either `mask=` (an AttnMask) or the three arrays q_ranges [N, 2], k_ranges [N, 2] and
+    attn_type_map [N] (int32; numpy or traced: a new mask with the same N does not recompile).
+    Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (natural log; -inf on rows with no key).
+    softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
+    bitwise reproducible. Differentiable in q, k, v (and through lse).
+
+    Example::
+
+        mask = magi_jax.masks.varlen_causal([3, 2])
+        out, lse = flex_flash_attn(q, k, v, mask=mask)      # q, k, v: [5, H, D]
+    """
+    if mask is not None:
+        if any(x is not None for x in (q_ranges, k_ranges, attn_type_map)):
+            raise ValueError("mask: give either mask= or q_ranges/k_ranges/attn_type_map, not both")
+        if not isinstance(mask, AttnMask):
+            raise ValueError(f"mask: expected an AttnMask, got {type(mask).__name__}")
+        for name, x, total in (("q", q, mask.total_seqlen_q), ("k", k, mask.total_seqlen_k)):
+            if np.ndim(x) == 3 and x.shape[0] != total:
+                raise ValueError(f"{name}: has {x.shape[0]} tokens but the mask expects {total}")
+        q_ranges, k_ranges, attn_type_map = mask.kernel_args()
+    elif any(x is None for x in (q_ranges, k_ranges, attn_type_map)):
+        raise ValueError("q_ranges, k_ranges and attn_type_map are all required when mask= is not given")
+    check_qkv(q, k, v)
+    q_ranges, k_ranges, attn_type_map = check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0])
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    if not softcap >= 0.0:
+        raise ValueError(f"softcap: must be >= 0, got {softcap}")
+    return _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, float(softmax_scale), float(softcap),
+                bool(deterministic))
+
+
+def check_qkv(q, k, v) -> None:
+    """Shape and dtype checks with errors that name the argument."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if np.ndim(x) != 3:
+            raise ValueError(f"{name}: expected [tokens, heads, head_dim], got shape {np.shape(x)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"q: dtype {q.dtype} unsupported; use bfloat16, float16 or float32")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {x.dtype} differs from q's {q.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {v.shape} differs from k's {k.shape}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
+    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"q: head_dim {q.shape[2]} unsupported; use one of {SUPPORTED_HEAD_DIMS}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"k: {k.shape[1]} kv heads do not divide {q.shape[1]} q heads")
+
+
+def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
+    """Shapes always; values too when the arrays are concrete. Returns int32 arrays."""
+    arrays = []
+    for name, x, shape in (("q_ranges", q_ranges, (None, 2)), ("k_ranges", k_ranges, (None, 2)),
+                           ("attn_type_map", attn_type_map, (None,))):
+        if isinstance(x, (list, tuple)):
+            x = np.asarray(x, np.int32)
+        if len(np.shape(x)) != len(shape) or (len(shape) == 2 and np.shape(x)[1] != 2):
+            raise ValueError(f"{name}: expected shape {'[N, 2]' if len(shape) == 2 else '[N]'}, "
+                             f"got {np.shape(x)}")
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name}: expected an integer array, got dtype {x.dtype}")
+        arrays.append(x)
+    if not np.shape(arrays[0])[0] == np.shape(arrays[1])[0] == np.shape(arrays[2])[0]:
+        raise ValueError(f"q_ranges, k_ranges and attn_type_map have different lengths: "
+                         f"{np.shape(arrays[0])[0]}, {np.shape(arrays[1])[0]}, {np.shape(arrays[2])[0]}")
+    if not any(isinstance(x, jax.core.Tracer) for x in arrays):
+        # Concrete: the mask model validates values (bounds, order, type codes) with named errors.
+        AttnMask(np.asarray(arrays[0]), np.asarray(arrays[1]), np.asarray(arrays[2]), tq, tk)
+    return tuple(jnp.asarray(x, jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32)
+                 for x in arrays)
+
+
+def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap):
+    return jax.ffi.ffi_call(
+        _ffi.FFA_FWD,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
+    )(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale=np.float32(scale), softcap=np.float32(softcap))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic):
+    return _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap)
+
+
+def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic):
+    out, lse = _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap)
+    return (out, lse), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
+
+
+def _ffa_bwd(scale, softcap, deterministic, residuals, cotangents):
+    q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
+    dout, dlse = cotangents
+    dq, dk, dv = jax.ffi.ffi_call(
+        _ffi.FFA_BWD,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+         jax.ShapeDtypeStruct(v.shape, v.dtype)),
+    )(q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map,
+      softmax_scale=np.float32(scale), softcap=np.float32(softcap), deterministic=deterministic)
+    return dq, dk, dv, None, None, None
+
+
+_ffa.defvjp(_ffa_fwd, _ffa_bwd)
+

@@ -1,0 +1,1 @@
+"""Constructors of common masks (filled in below)."""
