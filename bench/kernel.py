@@ -1,0 +1,305 @@
+"""Kernel benchmark on one GPU: magi_jax FFA (cuda/) against cuDNN (dense, and packed varlen through
+q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA dense where it fits.
+
+bf16, 16 heads, head dim 128, batch 1 packed. TFLOP/s count the unmasked area only: forward 4 * area * H * D,
+forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad of sum(out), forward included,
+as in ../shared/peers. Every implementation's output (and dq) is compared with FFA's before it is timed.
+Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
+table to $OUT when set.
+
+    python bench/kernel.py                 # all cases
+    python bench/kernel.py --cases varlen_causal_64k --no-append
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+import types
+from typing import Callable
+
+import numpy as np
+
+# tokamax imports xprof for its own benchmarking only; stub it (as ../shared/peers does).
+for _name in ("xprof", "xprof.cli", "xprof.cli.tools"):
+    sys.modules.setdefault(_name, types.ModuleType(_name))
+sys.modules["xprof.cli.tools"].get_kernel_stats_tool = None
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import magi_jax as mj  # noqa: E402
+from magi_jax import masks  # noqa: E402
+from magi_jax.mask import AttnMask  # noqa: E402
+
+H, D = 16, 128
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def doc_lengths(total: int, seed: int, mean: int = 4096, lo: int = 256) -> list[int]:
+    """Exponential document lengths with this mean, at least `lo` (../shared/peers/anchors_varlen.py)."""
+    rng = np.random.default_rng(seed)
+    lens: list[int] = []
+    while sum(lens) < total:
+        n = int(max(lo, rng.exponential(mean)))
+        lens.append(min(n, total - sum(lens)))
+    return lens
+
+
+def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
+    """Per document: the first quarter is the question, the rest split into answers of a third each."""
+    samples = []
+    for n in lens:
+        question = max(1, n // 4)
+        rest, piece = n - question, max(1, (n - question) // 3)
+        samples.append((question, [min(piece, rest - p) for p in range(0, rest, piece)]))
+    return samples
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+# Each takes q, k, v of shape [1, T, H, D] and returns out [1, T, H, D].
+
+def ffa(mask: AttnMask, deterministic: bool = False) -> Callable:
+    qr, kr, types_ = mask.kernel_args()
+    return lambda q, k, v: mj.flex_flash_attn(q[0], k[0], v[0], qr, kr, types_, deterministic=deterministic)[0][None]
+
+
+def cudnn_dense_causal(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+
+def cudnn_varlen(lens: list[int], window: int | None = None) -> Callable:
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    starts = np.cumsum([0] + lens[:-1]).astype(np.int32)
+    offsets = jnp.asarray(np.concatenate([starts, [-1]]).astype(np.int32))[None]
+    seqlens = jnp.asarray(np.array(lens, np.int32))[None]
+
+    def fn(q, k, v):
+        return fa.dot_product_attention(q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets,
+                                        kv_offsets=offsets, scale=D ** -0.5, mask_type=fa.MaskType.CAUSAL,
+                                        qkv_layout="BTNH", sliding_window_length=window)
+    return fn
+
+
+def xla_dense(mask: AttnMask) -> Callable:
+    dense = jnp.asarray(mask.to_dense() > 0)[None, None]
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="xla")
+
+
+def tokamax(k_start=None, k_end=None, is_causal=False, dense_mask=None) -> Callable:
+    from tokamax._src.ops.attention import base, pallas_mosaic_gpu as pmg  # ImportError: not installed
+    op = pmg.PallasMosaicGpuFlashAttention()
+    if dense_mask is not None:
+        mask = base.Mask(jnp.asarray(dense_mask)[None, None])
+    elif k_start is None and k_end is None:
+        return lambda q, k, v: op(q, k, v, is_causal=is_causal)
+    else:
+        as_arg = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.int32))[None, None]
+        mask = base.Mask(k_start=as_arg(k_start), k_end=as_arg(k_end), is_causal=is_causal)
+    return lambda q, k, v: op(q, k, v, mask=mask)
+
+
+# ------------------------------------------------------------------------------------------------- cases
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    mask: AttnMask
+    baselines: dict[str, Callable[[], Callable]]  # built lazily: an import or a shape may fail
+
+
+def make_cases() -> list[Case]:
+    cases = []
+    t = 32768
+    cases.append(Case("causal_32k", masks.causal(t), {
+        "cudnn": lambda: cudnn_dense_causal,
+        "tokamax": lambda: tokamax(is_causal=True)}))
+    for t in (32768, 65536):
+        lens = doc_lengths(t, seed=t)
+        starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)
+        cases.append(Case(f"varlen_causal_{t // 1024}k", masks.varlen_causal(lens), {
+            "cudnn": (lambda lens=lens: cudnn_varlen(lens)),
+            "tokamax": (lambda s=starts: tokamax(k_start=s, is_causal=True))}))
+    t = 32768
+    lens = doc_lengths(t, seed=t)
+    doc = np.repeat(np.arange(len(lens)), lens)
+    start = np.cumsum([0] + lens[:-1])[doc]
+    pos = np.arange(t)
+    block_end = np.minimum(start + ((pos - start) // 2048 + 1) * 2048, start + np.array(lens)[doc])
+    cases.append(Case("varlen_block_causal_32k", masks.block_causal(lens, 2048), {
+        "tokamax": lambda: tokamax(k_start=start, k_end=block_end)}))
+    cases.append(Case("varlen_swa1024_32k", masks.sliding_window(lens, 1024), {
+        "cudnn": lambda: cudnn_varlen(lens, window=1024),
+        "tokamax": lambda: tokamax(k_start=np.maximum(start, pos - 1023), is_causal=True)}))
+    t = 16384
+    mask = masks.shared_question(shared_question_samples(doc_lengths(t, seed=t)))
+    cases.append(Case("shared_question_16k", mask, {
+        "tokamax": lambda: tokamax(dense_mask=mask.to_dense() > 0),
+        "xla_dense": lambda: xla_dense(mask)}))
+    return cases
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+def bench(f, *args, iters=10, reps=5) -> float:
+    """Median seconds per call over `reps` runs of `iters` back-to-back calls (after a warm-up call)."""
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def rel_diff(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
+    total = case.mask.total_seqlen_q
+    area = case.mask.area()
+    flops = 4.0 * area * H * D
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (1, total, H, D), jnp.bfloat16) for kk in keys)
+    fns: dict[str, Callable] = {"ffa": ffa(case.mask)}
+    for name in impls:
+        if name == "ffa":
+            continue
+        if name == "ffa_det":
+            fns[name] = ffa(case.mask, deterministic=True)
+        elif name in case.baselines:
+            try:
+                fns[name] = case.baselines[name]()
+            except Exception as e:  # not importable, or not expressible
+                results.append(dict(case=case.name, impl=name, error=f"unavailable: {e!r}"[:300]))
+                print(f"[{case.name}] {name}: unavailable ({e!r})"[:200], flush=True)
+    reference: dict[str, jax.Array] = {}
+    for name, fn in fns.items():
+        for mode in ("fwd", "fwd+bwd"):
+            row = dict(case=case.name, impl=name, mode=mode, tokens=total, area=area, slices=case.mask.num_slices)
+            try:
+                if mode == "fwd":
+                    f = jax.jit(fn)
+                    out = f(q, k, v)
+                    if name == "ffa":
+                        reference["out"] = out
+                    row["rel_diff_vs_ffa"] = rel_diff(out, reference["out"])
+                    del out
+                    mult = 1.0
+                else:
+                    f = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum(),
+                                         argnums=(0, 1, 2)))
+                    dq = f(q, k, v)[0]
+                    if name == "ffa":
+                        reference["dq"] = dq
+                    row["rel_diff_vs_ffa"] = rel_diff(dq, reference["dq"])
+                    del dq
+                    mult = 3.5
+                seconds = bench(f, q, k, v)
+                row.update(ms=round(seconds * 1e3, 3), tflops=round(flops * mult / seconds / 1e12, 1))
+            except Exception as e:
+                traceback.print_exc(limit=2)
+                row["error"] = repr(e)[:400]
+            results.append(row)
+            shown = (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s  diff vs ffa {row['rel_diff_vs_ffa']:.1e}"
+                     if "ms" in row else f"error {row['error'][:120]}")
+            print(f"[{case.name}] {name:>10} {mode:>7}: {shown}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------- table
+
+COLUMNS = ("ffa", "ffa_det", "cudnn", "tokamax", "xla_dense")
+
+
+def table(results: list[dict]) -> str:
+    by = {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
+    cases = list(dict.fromkeys(r["case"] for r in results))
+    present = [c for c in COLUMNS if any(r["impl"] == c for r in results if "tflops" in r)]
+    head = "| case | pass | " + " | ".join(f"{c} TFLOP/s (ms)" for c in present) + " | ffa / cudnn |"
+    lines = [head, "|" + "---|" * (len(present) + 3)]
+    for case in cases:
+        for mode in ("fwd", "fwd+bwd"):
+            cells = []
+            for c in present:
+                r = by.get((case, c, mode))
+                cells.append(f"{r['tflops']} ({r['ms']})" if r else "-")
+            f, c = by.get((case, "ffa", mode)), by.get((case, "cudnn", mode))
+            ratio = f"{f['tflops'] / c['tflops']:.2f}" if f and c else "-"
+            lines.append(f"| {case} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def speed_bar(results: list[dict]) -> str:
+    by = {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
+    parts = []
+    for mode, bar in (("fwd", 0.5), ("fwd+bwd", 0.4)):
+        f, c = by.get(("varlen_causal_64k", "ffa", mode)), by.get(("varlen_causal_64k", "cudnn", mode))
+        if f and c:
+            ratio = f["tflops"] / c["tflops"]
+            parts.append(f"{mode} {ratio:.2f}x cuDNN (bar {bar}x: {'met' if ratio >= bar else 'NOT met'})")
+    return "speed bar, varlen causal 64k: " + ("; ".join(parts) if parts else "not measured")
+
+
+def versions() -> str:
+    parts = [f"jax {jax.__version__}"]
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+        parts.append(f"cuDNN {check_cudnn_version()}")
+    except Exception:
+        pass
+    try:
+        import tokamax
+        parts.append(f"tokamax {getattr(tokamax, '__version__', '?')}")
+    except Exception:
+        parts.append("tokamax not installed")
+    return ", ".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="*", help="case names (default: all)")
+    parser.add_argument("--impls", nargs="*", default=["ffa", "cudnn", "tokamax", "xla_dense"],
+                        help="implementations; ffa_det adds FFA with deterministic=True")
+    parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    args = parser.parse_args()
+    device = jax.devices()[0]
+    print(f"{device.device_kind}; {versions()}", flush=True)
+    results: list[dict] = []
+    for case in make_cases():
+        if args.cases and case.name not in args.cases:
+            continue
+        print(f"[{case.name}] {case.mask.num_slices} slices, area {case.mask.area():.3e}", flush=True)
+        run_case(case, args.impls, results)
+    text = table(results)
+    bar = speed_bar(results)
+    print("\n" + text + "\n\n" + bar, flush=True)
+    command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    section = (f"\n## Kernel, one GPU ({datetime.date.today().isoformat()})\n\n{device.device_kind}; {versions()}; "
+               f"bf16, {H} heads, D {D}; TFLOP/s on the unmasked area (fwd+bwd = 3.5x fwd flops); "
+               f"median of 5 x 10 calls.\nCommand: `{command}`\n\n{text}\n\n{bar}\n")
+    if not args.no_append:
+        with open(ROOT / "BENCHMARKS.md", "a") as f:
+            f.write(section)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "kernel_bench.json"), "w") as f:
+            json.dump(dict(device=device.device_kind, versions=versions(), command=command, results=results), f,
+                      indent=1)
+        with open(os.path.join(out, "kernel_bench.md"), "w") as f:
+            f.write(section)
+
+
+if __name__ == "__main__":
+    main()

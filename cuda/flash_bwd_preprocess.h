@@ -1,0 +1,50 @@
+// Small memory-bound kernels around the backward: delta = rowsum(dout * out) - dlse before, and the fp32
+// dq accumulator -> T after (atomic path).
+#pragma once
+
+#include <cstdint>
+
+#include "ptx.h"
+
+namespace magi_jax::cuda {
+
+constexpr int kElementwiseThreads = 256;
+
+// One group of D / 8 lanes per (row, head), 16-byte loads, a shuffle reduction inside the group.
+template <typename T, int D>
+__global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* out, const T* dout,
+                                                                      const float* dlse, float* delta,
+                                                                      int64_t rows) {
+  constexpr int kLanes = D / 8, kRowsPerCta = kElementwiseThreads / kLanes;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerCta + threadIdx.x / kLanes;
+  const int sub = threadIdx.x % kLanes;
+  float sum = 0.0f;
+  if (row < rows) {
+    const uint4 a = *reinterpret_cast<const uint4*>(out + row * D + sub * 8);
+    const uint4 b = *reinterpret_cast<const uint4*>(dout + row * D + sub * 8);
+    const T* x = reinterpret_cast<const T*>(&a);
+    const T* y = reinterpret_cast<const T*>(&b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += Elem<T>::ToFloat(x[i]) * Elem<T>::ToFloat(y[i]);
+  }
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (sub == 0 && row < rows) delta[row] = sum - dlse[row];
+}
+
+// dq = T(dq_accum), 8 elements per thread (n is a multiple of 8).
+template <typename T>
+__global__ void __launch_bounds__(kElementwiseThreads) DqConvertKernel(const float* acc, T* dq, int64_t n) {
+  const int64_t i = (int64_t(blockIdx.x) * kElementwiseThreads + threadIdx.x) * 8;
+  if (i >= n) return;
+  const float4 a = *reinterpret_cast<const float4*>(acc + i);
+  const float4 b = *reinterpret_cast<const float4*>(acc + i + 4);
+  uint4 packed;
+  packed.x = Elem<T>::Pack(a.x, a.y);
+  packed.y = Elem<T>::Pack(a.z, a.w);
+  packed.z = Elem<T>::Pack(b.x, b.y);
+  packed.w = Elem<T>::Pack(b.z, b.w);
+  *reinterpret_cast<uint4*>(dq + i) = packed;
+}
+
+}  // namespace magi_jax::cuda

@@ -1,0 +1,230 @@
+// CUDA handlers of the FFA custom calls (interface: ffi/ffa_interface.h), exported as MagiFfaFwdCuda and
+// MagiFfaBwdCuda and registered by magi_jax/_ffi.py for platform "CUDA".
+//
+// Each handler checks shapes, takes its temporaries (slice lists, delta, the fp32 dq accumulator) from the
+// FFI scratch allocator, and enqueues kernels on the XLA stream; it never synchronises with the host.
+// Not marked command-buffer compatible: scratch allocation inside a handler is outside that contract
+// (api.h, Traits::kCmdBufferCompatible); passing the temporaries as extra results would qualify it.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+
+#include "block_lists.h"
+#include "ffa_interface.h"
+#include "launch.h"
+#include "tile_size.h"
+
+namespace magi_jax::cuda {
+namespace {
+
+ffi::Error CudaFailure(const char* what, cudaError_t err) {
+  return ffi::Error(ffi::ErrorCode::kInternal, std::string("magi_jax CUDA ") + what + ": " + cudaGetErrorString(err));
+}
+
+// Calls fn(T{}, std::integral_constant<int, D>{}) for the supported element types and head dims.
+template <typename Fn>
+ffi::Error DispatchTypeAndDim(ffi::DataType dtype, int64_t d, Fn&& fn) {
+  auto by_dim = [&](auto tag) -> ffi::Error {
+    switch (d) {
+      case 64: return fn(tag, std::integral_constant<int, 64>{});
+      case 128: return fn(tag, std::integral_constant<int, 128>{});
+      default:
+        return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) +
+                                           " is not supported by the CUDA kernels (64 or 128)");
+    }
+  };
+  switch (dtype) {
+    case ffi::BF16: return by_dim(__nv_bfloat16{});
+    case ffi::F16: return by_dim(__half{});
+    default: return ffi::Error::InvalidArgument("q, k, v: the CUDA kernels take bfloat16 or float16");
+  }
+}
+
+// Hands out aligned pieces of one scratch allocation.
+class Carver {
+ public:
+  static constexpr size_t kAlign = 256;
+  static size_t Round(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  template <typename T>
+  T* Take(size_t count) {
+    T* p = reinterpret_cast<T*>(base_ + used_);
+    used_ += Round(count * sizeof(T));
+    return p;
+  }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+struct ListSizes {
+  int64_t num_blocks, capacity;
+  size_t Bytes() const { return Carver::Round((num_blocks + 1) * 8) + Carver::Round(capacity * 4); }
+};
+
+// MAGI_JAX_CUDA_LIST_CAPACITY caps the ids buffer (tests use 0 to exercise the kernels' scan path).
+ListSizes SizeLists(int64_t length, int block, int64_t num_slices) {
+  const int64_t nb = (length + block - 1) / block;
+  int64_t capacity = ListCapacity(num_slices, nb);
+  if (const char* env = std::getenv("MAGI_JAX_CUDA_LIST_CAPACITY"); env != nullptr && *env != '\0')
+    capacity = std::max<int64_t>(1, std::min<int64_t>(capacity, std::atoll(env)));
+  return {nb, capacity};
+}
+
+BlockLists TakeLists(Carver& carver, const ListSizes& sizes, int axis, int block, int64_t** offsets,
+                     int32_t** ids) {
+  *offsets = carver.Take<int64_t>(sizes.num_blocks + 1);
+  *ids = carver.Take<int32_t>(sizes.capacity);
+  return {*offsets, *ids, sizes.capacity, axis, block};
+}
+
+// The kernels index tokens with int; positions up to 2^31 - 2^16 leave room for a block past the end.
+ffi::Error CheckSizes(const FfaDims& dims) {
+  constexpr int64_t kMaxTokens = (int64_t(1) << 31) - (int64_t(1) << 16);
+  if (dims.tq > kMaxTokens || dims.tk > kMaxTokens || dims.num_slices > kMaxTokens)
+    return ffi::Error::InvalidArgument("q, k: more than 2^31 - 2^16 tokens or slices");
+  return ffi::Error::Success();
+}
+
+SliceArgs MakeSliceArgs(const FfaDims& dims, const ffi::Buffer<ffi::S32>& q_ranges,
+                        const ffi::Buffer<ffi::S32>& k_ranges, const ffi::Buffer<ffi::S32>& types) {
+  return {q_ranges.typed_data(), k_ranges.typed_data(), types.typed_data(), int(dims.num_slices), int(dims.tq),
+          int(dims.tk)};
+}
+
+ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                      ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
+                      ffi::Buffer<ffi::S32> types, float softmax_scale, float softcap,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
+  if (dims.has_error()) return dims.error();
+  if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
+  if (auto err = CheckSizes(*dims); err.failure()) return err;
+
+  const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
+  const ListSizes q_sizes = SizeLists(dims->tq, kQBlock, dims->num_slices);
+  auto mem = scratch.Allocate(q_sizes.Bytes(), Carver::kAlign);
+  if (!mem.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch for slice lists");
+  Carver carver(*mem);
+  int64_t* offsets;
+  int32_t* ids;
+  FwdParams p{};
+  p.lists = TakeLists(carver, q_sizes, kAxisQ, kQBlock, &offsets, &ids);
+  if (cudaError_t err = BuildBlockLists(args, kAxisQ, kQBlock, offsets, ids, q_sizes.capacity, stream);
+      err != cudaSuccess)
+    return CudaFailure("slice lists", err);
+
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.slices = args;
+  p.hq = int(dims->hq);
+  p.hkv = int(dims->hkv);
+  p.scale = softmax_scale;
+  p.softcap = softcap;
+  return DispatchTypeAndDim(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
+    using T = decltype(tag);
+    if (cudaError_t err = LaunchFwd<T, decltype(dim)::value>(p, stream); err != cudaSuccess)
+      return CudaFailure("forward", err);
+    return ffi::Error::Success();
+  });
+}
+
+ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                      ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
+                      ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
+                      ffi::Buffer<ffi::S32> types, float softmax_scale, float softcap, bool deterministic,
+                      ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                      ffi::Result<ffi::AnyBuffer> dv) {
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
+  if (dims.has_error()) return dims.error();
+  for (auto [name, buf] : {std::pair{"out", &out}, {"dout", &dout}})
+    if (auto err = CheckSameShape(name, *buf, q); err.failure()) return err;
+  if (auto err = CheckSameShape("dq", *dq, q); err.failure()) return err;
+  if (auto err = CheckSameShape("dk", *dk, k); err.failure()) return err;
+  if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
+  if (auto err = CheckSizes(*dims); err.failure()) return err;
+
+  const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
+  const int64_t rows = dims->tq * dims->hq;
+  const ListSizes k_sizes = SizeLists(dims->tk, kKBlock, dims->num_slices);
+  const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
+  const size_t accum_elems = deterministic ? 0 : size_t(rows) * size_t(dims->d);
+  const size_t bytes = Carver::Round(rows * 4) + k_sizes.Bytes() + (deterministic ? q_sizes.Bytes() : 0) +
+                       Carver::Round(accum_elems * 4);
+  auto mem = scratch.Allocate(bytes, Carver::kAlign);
+  if (!mem.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch for the backward");
+  Carver carver(*mem);
+
+  BwdParams p{};
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out.untyped_data();
+  p.dout = dout.untyped_data();
+  p.lse = lse.typed_data();
+  p.dlse = dlse.typed_data();
+  p.dq = dq->untyped_data();
+  p.dk = dk->untyped_data();
+  p.dv = dv->untyped_data();
+  p.slices = args;
+  p.hq = int(dims->hq);
+  p.hkv = int(dims->hkv);
+  p.scale = softmax_scale;
+  p.softcap = softcap;
+  p.delta = carver.Take<float>(rows);
+  int64_t* k_offsets;
+  int32_t* k_ids;
+  p.k_lists = TakeLists(carver, k_sizes, kAxisK, kKBlock, &k_offsets, &k_ids);
+  if (cudaError_t err = BuildBlockLists(args, kAxisK, kKBlock, k_offsets, k_ids, k_sizes.capacity, stream);
+      err != cudaSuccess)
+    return CudaFailure("k-block slice lists", err);
+  if (deterministic) {
+    int64_t* q_offsets;
+    int32_t* q_ids;
+    p.q_lists = TakeLists(carver, q_sizes, kAxisQ, kQBlock, &q_offsets, &q_ids);
+    if (cudaError_t err = BuildBlockLists(args, kAxisQ, kQBlock, q_offsets, q_ids, q_sizes.capacity, stream);
+        err != cudaSuccess)
+      return CudaFailure("q-block slice lists", err);
+  } else {
+    p.dq_accum = carver.Take<float>(accum_elems);
+    if (cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, accum_elems * 4, stream); err != cudaSuccess)
+      return CudaFailure("dq accumulator", err);
+  }
+
+  return DispatchTypeAndDim(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
+    using T = decltype(tag);
+    constexpr int D = decltype(dim)::value;
+    if (cudaError_t err = LaunchBwdDelta<T, D>(p, stream); err != cudaSuccess) return CudaFailure("delta", err);
+    if (deterministic) {
+      if (cudaError_t err = LaunchBwdDq<T, D>(p, stream); err != cudaSuccess) return CudaFailure("dq", err);
+    }
+    if (cudaError_t err = LaunchBwdDkDv<T, D>(p, !deterministic, stream); err != cudaSuccess)
+      return CudaFailure("dk/dv", err);
+    if (!deterministic) {
+      if (cudaError_t err = LaunchDqConvert<T>(p.dq_accum, static_cast<T*>(p.dq), int64_t(accum_elems), stream);
+          err != cudaSuccess)
+        return CudaFailure("dq convert", err);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+}  // namespace magi_jax::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiFfaFwdCuda, magi_jax::cuda::FfaFwdImpl,
+                              magi_jax::BindFfaFwd(xla::ffi::Ffi::Bind()
+                                                       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                       .Ctx<xla::ffi::ScratchAllocator>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiFfaBwdCuda, magi_jax::cuda::FfaBwdImpl,
+                              magi_jax::BindFfaBwd(xla::ffi::Ffi::Bind()
+                                                       .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                                       .Ctx<xla::ffi::ScratchAllocator>()));

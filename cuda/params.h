@@ -1,0 +1,51 @@
+// Kernel parameters: raw pointers and sizes, passed by value to every kernel.
+#pragma once
+
+#include <cstdint>
+
+namespace magi_jax::cuda {
+
+// The mask, as the custom call receives it (device arrays; ranges are clamped when read).
+struct SliceArgs {
+  const int32_t* q_ranges;  // [N, 2]
+  const int32_t* k_ranges;  // [N, 2]
+  const int32_t* types;     // [N]
+  int num_slices;
+  int tq, tk;
+};
+
+// For each block of `block` positions along one axis, the ascending ids of the slices touching it
+// (compressed rows). When offsets[num_blocks] > capacity the ids did not fit and consumers scan the
+// slice array instead (same order, same result, slower).
+enum Axis : int { kAxisQ = 0, kAxisK = 1 };
+struct BlockLists {
+  const int64_t* offsets;  // [num_blocks + 1]
+  const int32_t* ids;      // [capacity]
+  int64_t capacity;
+  int axis, block;
+};
+
+struct FwdParams {
+  const void *q, *k, *v;
+  void* out;
+  float* lse;
+  SliceArgs slices;
+  BlockLists lists;  // q blocks of kQBlock rows
+  int hq, hkv;
+  float scale, softcap;
+};
+
+struct BwdParams {
+  const void *q, *k, *v, *out, *dout;
+  const float *lse, *dlse;
+  void *dq, *dk, *dv;
+  float* delta;     // [Tq, Hq]: rowsum(dout * out) - dlse
+  float* dq_accum;  // [Tq, Hq, D] fp32, scaled, for the atomic path; null on the deterministic one
+  SliceArgs slices;
+  BlockLists q_lists;  // q blocks (deterministic dq kernel)
+  BlockLists k_lists;  // k blocks (dk/dv kernel)
+  int hq, hkv;
+  float scale, softcap;
+};
+
+}  // namespace magi_jax::cuda

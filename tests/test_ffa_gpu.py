@@ -1,0 +1,246 @@
+"""The CUDA FFA kernels (cuda/) through flex_flash_attn on a GPU, against the float64 reference.
+
+Every test is marked `gpu` and skipped where no CUDA device is present. Inputs are fresh normal draws; the
+tolerance is DESIGN.md section 5 (twice the error of naive attention in the input dtype).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import magi_jax as mj
+from magi_jax import _ffi, masks
+from magi_jax.mask import AttnMask
+from magi_jax.reference import attention_dense, attention_f64
+from tests.conftest import assert_within_rule, check_against_reference, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+TYPES = ["full", "causal", "inv_causal", "bi_causal"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _on_gpu():
+    assert jax.devices()[0].platform == "gpu", "the default device must be the GPU"
+    assert _ffi.HAS_CUDA_LIBRARY, "libmagi_jax_cuda.so was not found beside magi_jax (build with nvcc)"
+
+
+def run_case(mask, hq=2, hkv=2, d=128, dtype=jnp.bfloat16, seed=0, grads=True, **kwargs):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hkv, d, dtype)
+    fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, **kwargs))
+    check_against_reference(fn, mask, q, k, v, rng, kwargs.get("softmax_scale"), kwargs.get("softcap", 0.0),
+                            grads=grads)
+
+
+@pytest.mark.parametrize("mask_type", TYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_each_type_alone(mask_type, dtype, d):
+    # Unaligned ranges inside larger tensors: partial blocks on every edge.
+    mask = AttnMask([[5, 350]], [[20, 530]], [mask_type], 360, 545)
+    run_case(mask, dtype=dtype, d=d, seed=d)
+
+
+@pytest.mark.parametrize("mask_type", TYPES)
+@pytest.mark.parametrize("tq, tk", [(700, 260), (260, 700), (1000, 1000)])
+def test_each_type_tq_differs_from_tk(mask_type, tq, tk):
+    mask = AttnMask([[0, tq]], [[0, tk]], [mask_type], tq, tk)
+    run_case(mask, deterministic=True)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_mixed_types_and_overlapping_q_ranges(deterministic, d):
+    mask = AttnMask([[0, 300], [120, 540], [180, 210], [450, 600], [0, 600], [200, 600]],
+                    [[0, 390], [30, 600], [0, 150], [300, 480], [270, 285], [0, 600]],
+                    [0, 1, 2, 3, 1, 0], 600, 600)
+    run_case(mask, hq=4, hkv=2, d=d, deterministic=deterministic, seed=3)
+
+
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (32, 4), (8, 1)])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_gqa_and_mqa(hq, hkv, deterministic):
+    run_case(masks.varlen_causal([200, 333, 91]), hq=hq, hkv=hkv, deterministic=deterministic, seed=hq)
+
+
+@pytest.mark.parametrize("name, mask", [
+    ("varlen_full", masks.varlen_full([130, 257, 70])),
+    ("sliding_window", masks.sliding_window([300, 500], 100)),
+    ("sliding_window_symmetric", masks.sliding_window([300, 500], 100, causal=False)),
+    ("block_causal", masks.block_causal([400, 300], 128)),
+    ("shared_question", masks.shared_question([(100, [80, 150]), (60, [200])])),
+    ("prefix_lm", masks.prefix_lm([300, 250], [100, 30])),
+    ("global_sliding_window", masks.global_sliding_window([400, 300], 64, 16)),
+    ("causal_blockwise", masks.causal_blockwise([200, 150, 300])),
+])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_mask_families(name, mask, dtype):
+    run_case(mask, hq=4, hkv=1, dtype=dtype, seed=len(name))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_softcap_and_scale(d):
+    run_case(masks.sliding_window([300, 400], 150), d=d, softcap=5.0, softmax_scale=0.2)
+    run_case(masks.varlen_causal([333, 200]), d=d, softcap=2.0, deterministic=True, seed=1)
+
+
+def test_rows_and_keys_with_nothing():
+    # Rows 0-99 and 300-379 are in no slice; the causal slice with Lk < Lq leaves its first rows empty;
+    # keys 200-519 are attended by nobody (including whole 128-key blocks).
+    mask = AttnMask([[100, 300], [380, 700]], [[0, 200], [600, 700]], [0, 1], 700, 700)
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 700, 700, 4, 2, 128, jnp.bfloat16)
+    for deterministic in (False, True):
+        f = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, deterministic=deterministic))
+        (out, lse), vjp = jax.vjp(f, q, k, v)
+        dense = mask.to_dense()
+        empty, unattended = dense.sum(1) == 0, dense.sum(0) == 0
+        assert empty.sum() == 100 + 80 + 220
+        np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0.0)
+        assert np.isneginf(np.asarray(lse)[empty]).all() and np.isfinite(np.asarray(lse)[~empty]).all()
+        dout = jnp.asarray(rng.standard_normal(out.shape), jnp.bfloat16)
+        dq, dk, dv = vjp((dout, jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)))
+        assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in (dq, dk, dv))
+        np.testing.assert_array_equal(np.asarray(dq, np.float32)[empty], 0.0)
+        np.testing.assert_array_equal(np.asarray(dk, np.float32)[unattended], 0.0)
+        np.testing.assert_array_equal(np.asarray(dv, np.float32)[unattended], 0.0)
+        check_against_reference(f, mask, q, k, v, rng)
+
+
+def test_empty_mask():
+    mask = AttnMask(np.zeros((0, 2), int), np.zeros((0, 2), int), [], 200, 300)
+    run_case(mask)
+
+
+def random_mask(rng, n, tq, tk, max_len=None):
+    def ranges(total):
+        if max_len is None:
+            a = rng.integers(0, total + 1, size=(n, 2))
+            return np.sort(a, axis=1)
+        start = rng.integers(0, total, size=n)
+        return np.stack([start, np.minimum(total, start + rng.integers(1, max_len, size=n))], axis=1)
+    return AttnMask(ranges(tq), ranges(tk), rng.integers(0, 4, size=n), tq, tk)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_masks(seed):
+    rng = np.random.default_rng(100 + seed)
+    tq, tk = (int(x) for x in rng.integers(1, 900, size=2))
+    mask = random_mask(rng, int(rng.integers(1, 40)), tq, tk)
+    hq, hkv = [(2, 2), (4, 1), (6, 3)][seed % 3]
+    run_case(mask, hq=hq, hkv=hkv, d=[64, 128][seed % 2], deterministic=bool(seed % 2), seed=seed)
+
+
+@pytest.mark.parametrize("tq, tk", [(2048, 2048), (1500, 2600)])
+def test_thousand_slice_random_masks(tq, tk):
+    rng = np.random.default_rng(tq + tk)
+    mask = random_mask(rng, 1000, tq, tk, max_len=300)
+    run_case(mask, hq=2, hkv=1, deterministic=tq == tk, seed=tq)
+
+
+def test_scan_path_when_slice_lists_overflow(monkeypatch):
+    # A capacity of one id forces every kernel to scan the slice array instead of its block's list.
+    rng = np.random.default_rng(9)
+    mask = random_mask(rng, 200, 900, 700, max_len=250)
+    monkeypatch.setenv("MAGI_JAX_CUDA_LIST_CAPACITY", "0")
+    for deterministic in (False, True):
+        run_case(mask, hq=4, hkv=2, deterministic=deterministic, seed=9)
+
+
+def _grads_fn(mask, deterministic):
+    def f(q, k, v, dout, dlse):
+        (out, lse), vjp = jax.vjp(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask,
+                                                                     deterministic=deterministic), q, k, v)
+        return (out, lse, *vjp((dout, dlse)))
+    return jax.jit(f)
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    rng = np.random.default_rng(4)
+    mask = random_mask(rng, 300, 1500, 1500, max_len=400)
+    q, k, v = random_qkv(rng, 1500, 1500, 8, 2, 128, jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:2]), jnp.float32)
+    f = _grads_fn(mask, True)
+    first = [np.asarray(x) for x in f(q, k, v, dout, dlse)]
+    for _ in range(3):
+        again = f(q, k, v, dout, dlse)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def _fill_free_memory(value, nbytes=1 << 30):
+    """Leaves `value` in memory XLA's allocator is likely to hand out next (outputs are never zeroed)."""
+    x = jnp.full((nbytes // 4,), value, jnp.float32)
+    x.block_until_ready()
+    x.delete()
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_outputs_written_everywhere_whatever_the_garbage(deterministic):
+    # Empty rows, unattended keys and ragged edges, run on NaN garbage and on huge-number garbage.
+    mask = AttnMask([[50, 400], [420, 777], [0, 30]], [[0, 333], [500, 900], [880, 901]], [1, 3, 0], 777, 901)
+    rng = np.random.default_rng(6)
+    q, k, v = random_qkv(rng, 777, 901, 4, 4, 64, jnp.float16)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float16)
+    dlse = jnp.asarray(rng.standard_normal(q.shape[:2]), jnp.float32)
+    f = _grads_fn(mask, deterministic)
+    jax.block_until_ready(f(q, k, v, dout, dlse))  # compiled before the memory is poisoned
+    runs = []
+    for garbage in (np.nan, 3.0e38, -1.0):
+        _fill_free_memory(garbage)
+        runs.append([np.asarray(x, np.float32) for x in f(q, k, v, dout, dlse)])
+    for run in runs:
+        for name, x in zip(("out", "lse", "dq", "dk", "dv"), run):
+            assert not np.isnan(x).any(), f"{name}: NaN (an element was not written)"
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), runs[0], runs[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=name)
+    ref = attention_f64(q, k, v, mask, dout=dout, dlse=dlse)
+    lp_fn = lambda q, k, v: attention_dense(q, k, v, mask.to_dense())
+    lp, lp_vjp = jax.vjp(lp_fn, q, k, v)
+    for name, got, r, l in zip(("out", "lse", "dq", "dk", "dv"), runs[1], ref, (*lp, *lp_vjp((dout, dlse)))):
+        assert_within_rule(name, got, r, l)
+
+
+def doc_lengths(total, seed, mean=4096, lo=256):
+    """Document lengths as the peers' measurements: exponential with this mean, at least `lo`."""
+    rng = np.random.default_rng(seed)
+    lens = []
+    while sum(lens) < total:
+        n = int(max(lo, rng.exponential(mean)))
+        lens.append(min(n, total - sum(lens)))
+    return lens
+
+
+def test_one_million_tokens_varlen_causal_forward_backward():
+    total, heads, d = 1 << 20, 8, 128
+    lens = doc_lengths(total, seed=1)
+    mask = masks.varlen_causal(lens)
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, dout = (jax.random.normal(kk, (total, heads, d), jnp.bfloat16) for kk in keys)
+    f = _grads_fn(mask, False)
+    out, lse, dq, dk, dv = f(q, k, v, dout, jnp.zeros((total, heads), jnp.float32))
+    jax.block_until_ready(dv)
+    stats = jax.devices()[0].memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use", 0)
+    print(f"\n1M-token varlen causal ({len(lens)} documents, {heads} heads, D {d}) fwd+bwd: peak GPU memory "
+          f"{peak / 2**30:.2f} GiB (inputs+outputs {9 * total * heads * d * 2 / 2**30:.1f} GiB)")
+    for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert bool(jnp.isfinite(x.astype(jnp.float32)).all()), f"{name}: not finite"
+    assert bool(jnp.isfinite(lse).all())
+    # Documents are independent: check the last one of 512 to 4096 tokens (a billion elements into the
+    # tensors) against float64.
+    i = max(j for j, n in enumerate(lens) if 512 <= n <= 4096)
+    s, n = sum(lens[:i]), lens[i]
+    sub = masks.varlen_causal([n])
+    part = lambda x: x[s:s + n]
+    zeros = jnp.zeros((n, heads), jnp.float32)
+    ref = attention_f64(part(q), part(k), part(v), sub, dout=part(dout), dlse=zeros)
+    lp, lp_vjp = jax.vjp(lambda a, b, c: attention_dense(a, b, c, sub.to_dense()), part(q), part(k), part(v))
+    for name, got, r, l in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref,
+                               (*lp, *lp_vjp((part(dout), zeros)))):
+        assert_within_rule(name, part(got), r, l)
