@@ -1,0 +1,227 @@
+"""The ``plan`` and ``simulate`` commands (wired into ``python -m magi_jax``)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+
+from magi_jax.mask import AttnMask
+from magi_jax.planner.geometry import clip
+from magi_jax.planner.plan import DistAttnPlan, make_plan
+from magi_jax.planner.solvers import DEFAULT_SOLVER, SOLVERS
+from magi_jax.planner.stages import MAX_DEGREE
+from magi_jax.planner.workloads import sample_doc_lengths, varlen_mask
+
+
+def parse_tokens(text: str) -> int:
+    """'1M' = 2**20, '64k' = 65536, '4096' = 4096."""
+    t = text.strip().lower()
+    scale = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 64k, 1M)") from None
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a positive whole token count: {text!r}")
+    return int(value)
+
+
+def build_mask(name: str, seqlen: int, seed: int) -> AttnMask:
+    """Masks by name: full / causal (one document), varlen_full / varlen_causal (documents drawn from the
+    reference histogram), or any ``magi_jax.masks`` constructor that takes the document lengths."""
+    if name in ("full", "causal"):
+        return varlen_mask([seqlen], causal=name == "causal")
+    lengths = sample_doc_lengths(seqlen, seed)
+    if name in ("varlen_full", "varlen_causal"):
+        return varlen_mask(lengths, causal=name == "varlen_causal")
+    from magi_jax import masks
+    ctor = getattr(masks, name, None)
+    if not callable(ctor):
+        raise SystemExit(f"plan: unknown mask {name!r}; use full, causal, varlen_full, varlen_causal or a "
+                         "magi_jax.masks constructor taking document lengths")
+    return ctor(lengths)
+
+
+def _overlap(text: str) -> int | str:
+    if text == "auto":
+        return text
+    v = int(text)
+    if not 0 <= v <= MAX_DEGREE:
+        raise argparse.ArgumentTypeError(f"overlap must be auto or 0..{MAX_DEGREE}")
+    return v
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--heads-q", type=int, default=16)
+    p.add_argument("--heads-kv", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--overlap", type=_overlap, default="auto", help="stages: auto or 0..8")
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m magi_jax plan",
+                                description="Plan distributed attention for a mask and print the per-rank table.")
+    p.add_argument("--mask", default="varlen_causal")
+    p.add_argument("--seqlen", type=parse_tokens, default=parse_tokens("64k"))
+    p.add_argument("--cp", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=None)
+    p.add_argument("--solver", choices=sorted(SOLVERS), default=DEFAULT_SOLVER)
+    p.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
+    p.add_argument("--plot", default=None, help="write a PNG: chunks coloured by owner, one rank's remote blocks")
+    p.add_argument("--plot-rank", type=int, default=None, help="rank whose blocks the plot shows "
+                   "(default: the one fetching most)")
+    _common(p)
+    a = p.parse_args(list(argv))
+    mask = build_mask(a.mask, a.seqlen, a.seed)
+    t0 = time.perf_counter()
+    try:
+        plan = make_plan(mask, cp=a.cp, chunk_size=a.chunk, solver=a.solver, overlap=a.overlap,
+                         num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim)
+    except ValueError as e:
+        print(f"plan: {e}")
+        return 2
+    dt = time.perf_counter() - t0
+    s = plan.stats()
+    print(f"{a.mask}: {mask.num_slices} slices, {plan.seqlen} tokens (padded {plan.padded_seqlen}), cp={plan.cp}, "
+          f"chunk={plan.chunk_size}, solver={plan.solver}, overlap degree {plan.overlap_degree}; "
+          f"planned in {dt:.3f} s")
+    print(s.table())
+    if a.plot:
+        rank = int(np.argmax(s.remote_keys)) if a.plot_rank is None else a.plot_rank
+        plot_plan(plan, a.plot, rank)
+        print(f"wrote {a.plot}")
+    return 0
+
+
+def block_areas(plan: DistAttnPlan, max_bins: int = 512) -> tuple[np.ndarray, int]:
+    """Attended cells per (query bin, key bin), bins of whole chunks (at most ``max_bins`` per side)."""
+    m, C = plan.mask, plan.chunk_size
+    per_bin = math.ceil(plan.num_chunks / max_bins)
+    B = per_bin * C
+    nb = math.ceil(plan.num_chunks / per_bin)
+    q = m.q_ranges
+    keep = np.flatnonzero(q[:, 1] > q[:, 0])
+    first, last = q[keep, 0] // B, (q[keep, 1] - 1) // B
+    cnt = last - first + 1
+    sl = np.repeat(keep, cnt)
+    qb = np.repeat(first, cnt) + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    rows = np.stack([qb * B, (qb + 1) * B], axis=1)
+    pc = clip(m.q_ranges[sl], m.k_ranges[sl], m.types[sl], rows, m.k_ranges[sl])   # trimmed, k = union
+    k0, k1 = pc.k_ranges[:, 0] // B, (pc.k_ranges[:, 1] - 1) // B
+    kc = k1 - k0 + 1
+    i = np.repeat(np.arange(len(pc.types)), kc)
+    kb = k0[i] + np.arange(kc.sum()) - np.repeat(np.cumsum(kc) - kc, kc)
+    pp = clip(pc.q_ranges[i], pc.k_ranges[i], pc.types[i], pc.q_ranges[i], np.stack([kb * B, (kb + 1) * B], 1))
+    out = np.zeros((nb, nb))
+    np.add.at(out, (pp.q_ranges[:, 0] // B, kb[pp.src]), pp.areas())
+    return out, per_bin
+
+
+def plot_plan(plan: DistAttnPlan, path: str, rank: int) -> None:
+    """Left: the mask at chunk resolution, each query chunk coloured by its owner. Right: rank ``rank``'s
+    rows: blocks of keys it owns (host) and keys it fetches (remote)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    areas, per_bin = block_areas(plan)
+    nb = areas.shape[0]
+    owner = np.empty(plan.num_chunks, np.int64)
+    for r, p in enumerate(plan.partitions):
+        owner[list(p)] = r
+    bin_owner = owner[::per_bin][:nb]          # a bin's colour: its first chunk's owner
+    fig, ax = plt.subplots(1, 2, figsize=(13, 6.5))
+    img = np.where(areas > 0, bin_owner[:, None] % 20, np.nan)
+    ax[0].imshow(img, cmap=plt.get_cmap("tab20"), vmin=0, vmax=19, interpolation="nearest")
+    ax[0].set_title(fontsize=10, label=f"mask by owner of the query chunk (cp={plan.cp}, chunk={plan.chunk_size}"
+                    + (f", {per_bin} chunks per pixel" if per_bin > 1 else "") + ")")
+    ax[0].set_xlabel("key chunk")
+    ax[0].set_ylabel("query chunk")
+    mine = bin_owner == rank
+    kind = np.full(areas.shape, np.nan)
+    kind[(areas > 0)] = 0
+    kind[np.ix_(mine, np.ones(nb, bool))] = np.where(areas[mine] > 0, 2, np.nan)
+    kind[np.ix_(mine, mine)] = np.where(areas[np.ix_(mine, mine)] > 0, 1, np.nan)
+    ax[1].imshow(kind, cmap=ListedColormap(["#dddddd", "#2a9d4a", "#d62728"]), vmin=0, vmax=2,
+                 interpolation="nearest")
+    s = plan.stats()
+    ax[1].set_title(fontsize=10, label=f"rank {rank}: host blocks (green), remote blocks (red); "
+                    f"fetches {s.remote_keys[rank]} keys")
+    ax[1].set_xlabel("key chunk")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- simulate -------------------------------------------------------------------------------------------
+
+SIM_SOLVERS = ("comm_aware", "minheap", "zigzag", "all-gather")
+
+
+def simulate_one(cp: int, seed: int, per_gpu: int, solver: str, **kw) -> dict:
+    """One workload of the reference benchmark: documents from the histogram, ``per_gpu`` tokens per rank,
+    chunk = min(2048, total / (8 cp)). ``all-gather`` = minheap placement, every rank fetching all keys."""
+    total = cp * per_gpu
+    chunk = min(2048, math.ceil(total / (8 * cp)))
+    mask = varlen_mask(sample_doc_lengths(total, seed))
+    t0 = time.perf_counter()
+    plan = make_plan(mask, cp=cp, chunk_size=chunk, solver="minheap" if solver == "all-gather" else solver, **kw)
+    dt = time.perf_counter() - t0
+    s = plan.stats()
+    remote_max = int(s.remote_keys.max())
+    seconds = s.predicted_time_s
+    if solver == "all-gather":
+        cm = plan.cost_model
+        cell_s = cm.cell_seconds(plan.num_heads_q, plan.head_dim)
+        remote_max = plan.padded_seqlen - plan.local_len
+        comm = cm.collective_latency_s + cm.key_seconds(plan.num_heads_kv, plan.head_dim) * remote_max
+        host = cm.launch_s + cell_s * s.host_area
+        rest = cm.launch_s + cell_s * (s.area - s.host_area)
+        seconds = max(host.max(), comm) + rest.max()       # gather || host attention, then the rest
+    return dict(imbalance=s.imbalance, remote=remote_max / total, seconds=seconds,
+                tflops=s.flops / cp / seconds / 1e12, plan_seconds=dt)
+
+
+def simulate_main(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m magi_jax simulate",
+                                description="Predicted balance, traffic and throughput of the solvers at scale.")
+    p.add_argument("--cp", default="8,16,32,64,128,256,512,1024", help="comma-separated rank counts")
+    p.add_argument("--per-gpu", type=parse_tokens, default=8192, help="tokens per rank")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--solvers", default=",".join(SIM_SOLVERS))
+    p.add_argument("--markdown", default=None, help="append the table as a dated section to this file")
+    _common(p)
+    a = p.parse_args(list(argv))
+    cps = [int(x) for x in a.cp.split(",") if x]
+    solvers = [x for x in a.solvers.split(",") if x]
+    for s in solvers:
+        if s not in SIM_SOLVERS and s not in SOLVERS:
+            print(f"simulate: unknown solver {s!r}")
+            return 2
+    kw = dict(overlap=a.overlap, num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim)
+    head = ("| cp | tokens | " + " | ".join(f"{s} max/mean, max remote/total, TFLOP/s" for s in solvers)
+            + " | comm_aware plan s |")
+    lines = [head, "|" + "---|" * (len(solvers) + 3)]
+    print(head, flush=True)
+    for cp in cps:
+        cells, plan_s = [], 0.0
+        for s in solvers:
+            rs = [simulate_one(cp, seed, a.per_gpu, s, **kw) for seed in range(a.seeds)]
+            m = {k: float(np.mean([r[k] for r in rs])) for k in rs[0]}
+            cells.append(f"{m['imbalance']:.3f}, {m['remote']:.3f}, {m['tflops']:.0f}")
+            if s == "comm_aware":
+                plan_s = m["plan_seconds"]
+        line = f"| {cp} | {cp * a.per_gpu} | " + " | ".join(cells) + f" | {plan_s:.2f} |"
+        lines.append(line)
+        print(line, flush=True)
+    if a.markdown:
+        with open(a.markdown, "a") as f:
+            f.write(f"\n## Planner simulation ({datetime.date.today().isoformat()})\n\n"
+                    + "\n".join(lines) + "\n")
+    return 0

@@ -1,0 +1,388 @@
+"""``make_plan``: mask + number of ranks -> a static, hashable ``DistAttnPlan`` (numpy only, no devices)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from magi_jax.mask import AttnMask, slice_areas
+from magi_jax.planner.chunks import ChunkTable, chunk_table
+from magi_jax.planner.slices import (Segments, chunk_runs, cut, needed_keys, pad_slices, rank_slices)
+from magi_jax.planner.solvers import DEFAULT_SOLVER, SOLVERS
+from magi_jax.planner.stages import (MAX_DEGREE, CostModel, StageTiming, assign_stages, stage_timing)
+from magi_jax.planner.transfers import StageTransfers, build_transfers
+
+
+@dataclass(frozen=True, eq=False)
+class SliceSet:
+    """Slice lists of every rank, padded to one length N with empty slices (q [0,0), k [0,0), FULL):
+    ``q_ranges`` int32 [cp, N, 2], ``k_ranges`` int32 [cp, N, 2], ``types`` int32 [cp, N]; row r is what
+    rank r passes to the kernel."""
+
+    q_ranges: np.ndarray
+    k_ranges: np.ndarray
+    types: np.ndarray
+
+    def of_rank(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rank r's slices without the padding."""
+        keep = self.q_ranges[r, :, 1] > self.q_ranges[r, :, 0]
+        return self.q_ranges[r][keep], self.k_ranges[r][keep], self.types[r][keep]
+
+    def areas(self) -> np.ndarray:
+        """Attended cells per rank, int64 [cp]."""
+        cp, N = self.types.shape
+        a = slice_areas(self.q_ranges.reshape(-1, 2).astype(np.int64),
+                        self.k_ranges.reshape(-1, 2).astype(np.int64), self.types.reshape(-1))
+        return a.reshape(cp, N).sum(axis=1)
+
+
+@dataclass(frozen=True, eq=False)
+class Stage:
+    """One overlap stage: what every rank receives and the slices it then computes.
+
+    ``slices`` rows index the rank's local queries; keys index this stage's receive buffer of
+    ``transfers.buffer_len`` tokens (layout in ``magi_jax.planner.transfers``)."""
+
+    slices: SliceSet
+    transfers: StageTransfers
+
+    @property
+    def buffer_len(self) -> int:
+        return self.transfers.buffer_len
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """Per-rank numbers of a plan (arrays over ranks r, or stages i x ranks r) and its predicted time."""
+
+    area: np.ndarray           # int64 [cp] attended cells (host + remote)
+    host_area: np.ndarray      # int64 [cp]
+    stage_area: np.ndarray     # int64 [stages, cp]
+    remote_keys: np.ndarray    # int64 [cp] keys fetched
+    sent_keys: np.ndarray      # int64 [cp] keys sent
+    buffer_lens: tuple[int, ...]
+    imbalance: float           # max area / mean area
+    predicted_time_s: float    # bulk-synchronous forward time from the cost model
+    rank_time_s: np.ndarray    # [cp] each rank's own critical path
+    stage_comm_s: np.ndarray   # [stages]
+    flops: float               # forward FLOPs over all ranks: 4 * area * Hq * D
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        cp = len(self.area)
+        return self.flops / cp / self.predicted_time_s / 1e12 if self.predicted_time_s > 0 else 0.0
+
+    def table(self) -> str:
+        """The per-rank table printed by ``python -m magi_jax plan``."""
+        mean = self.area.mean() if len(self.area) else 0.0
+        lines = [f"{'rank':>5} {'area':>14} {'area/mean':>9} {'host area':>14} {'remote keys':>11} "
+                 f"{'sent keys':>10} {'time ms':>8}"]
+        for r in range(len(self.area)):
+            lines.append(f"{r:5d} {self.area[r]:14d} {self.area[r] / max(mean, 1):9.3f} "
+                         f"{self.host_area[r]:14d} {self.remote_keys[r]:11d} {self.sent_keys[r]:10d} "
+                         f"{self.rank_time_s[r] * 1e3:8.3f}")
+        lines.append(f"total area {int(self.area.sum())}, imbalance (max/mean) {self.imbalance:.4f}, "
+                     f"max remote keys {int(self.remote_keys.max(initial=0))}, stages {len(self.buffer_lens)} "
+                     f"(buffers {list(self.buffer_lens)}), predicted {self.predicted_time_s * 1e3:.3f} ms, "
+                     f"{self.tflops_per_gpu:.1f} TFLOP/s per GPU")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, eq=False)
+class DistAttnPlan:
+    """A static plan for attention over ``cp`` ranks of one mesh axis. Hashable; equal plans compare equal.
+
+    Tokens. The sequence (``seqlen`` tokens) is padded to ``padded_seqlen = num_chunks * chunk_size``, a
+    multiple of ``chunk_size * cp``; padding tokens attend nothing and are dropped by undispatch. Rank r owns
+    the chunks ``partitions[r]`` (ascending, ``chunks_per_rank`` of them) and holds them in that order in its
+    local buffer of ``local_len`` tokens. The dispatched (global) array is the ranks' local buffers one after
+    another: ``dispatch_perm[d]`` is the global token at dispatched position d (-1 for padding), and
+    ``undispatch_perm[g]`` is the dispatched position of global token g: ``x_d = x_pad[position_ids()]``,
+    ``x = x_d[undispatch_perm]``.
+
+    Slices. ``host`` holds, for every rank, the slices whose keys it owns: rows index its local queries and
+    keys index its local keys (the same local buffer). Then, for each stage i of ``stages``, rank r receives
+    ``stages[i].transfers`` into a buffer of ``stages[i].buffer_len`` tokens (sources in ascending order,
+    each source's keys in global order, then padding) and computes ``stages[i].slices``, whose keys index
+    that buffer. All arrays are int32, padded per stage to one slice count with empty slices, so a shard_map
+    body takes row ``axis_index`` of each. Host plus remote slices of a rank cover exactly the mask's cells
+    of its rows, each cell as many times as the mask counts it. With ``overlap_degree == 0`` there is one
+    stage, meant to run fused with the host slices (``fused_slices``).
+
+    Worked example: ``varlen_mask([6, 2])`` (two causal documents, 8 tokens), cp=2, chunk_size=2, solver
+    "minheap". Chunk areas are [3, 7, 11, 3] (chunk 2 = rows 4, 5 of document 0; chunk 3 = document 1), so
+    rank 0 gets chunks (0, 2) (area 14) and rank 1 chunks (1, 3) (area 10). ``dispatch_perm`` is
+    ``[0 1 4 5 | 2 3 6 7]``. Rank 0's rows 2, 3 (global 4, 5) need keys 0..5; it owns 0, 1 (local 0, 1) and
+    4, 5 (local 2, 3), and fetches 2, 3 from rank 1 (rank 1's local 0, 1). With one stage:
+
+        host q_ranges[0] = [[0, 2], [2, 4], [2, 4]]   k_ranges[0] = [[0, 2], [0, 2], [2, 4]]
+             types[0]    = [CAUSAL, FULL, CAUSAL]
+        host q_ranges[1] = [[0, 2], [2, 4]]  k_ranges[1] = [[0, 2], [2, 4]]  types[1] = [FULL, CAUSAL]
+             (rank 1's rows 0, 1 are global 2, 3: they see local keys 0, 1 = global 2, 3 fully ... and keys
+              0, 1 of rank 0 remotely; padded with one empty slice)
+        stage 0 transfers: src 1 -> dst 0 local [0, 2) -> buffer [0, 2); src 0 -> dst 1 local [0, 2) ->
+             buffer [0, 2); buffer_len 2
+        stage 0 slices, rank 0: q [[2, 4]] k [[0, 2]] FULL; rank 1: q [[0, 2]] k [[0, 2]] FULL
+
+    (``tests/test_planner_plan.py`` checks this example.)
+    """
+
+    mask: AttnMask
+    cp: int
+    axis: str
+    chunk_size: int
+    solver: str
+    overlap_degree: int
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    cost_model: CostModel
+    imbalance_cap: float
+    seqlen: int
+    padded_seqlen: int
+    partitions: tuple[tuple[int, ...], ...]
+    dispatch_perm: np.ndarray     # int32 [padded_seqlen], -1 for padding
+    undispatch_perm: np.ndarray   # int32 [seqlen]
+    host: SliceSet
+    stages: tuple[Stage, ...]
+    chunk_areas: np.ndarray       # int64 [num_chunks]
+    _stats: PlanStats = field(repr=False)
+    _key: tuple = field(repr=False)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.padded_seqlen // self.chunk_size
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.num_chunks // self.cp
+
+    @property
+    def local_len(self) -> int:
+        return self.padded_seqlen // self.cp
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def position_ids(self) -> np.ndarray:
+        """int32 [padded_seqlen]: the position (in the padded global sequence) of every dispatched token;
+        padding tokens get seqlen.. padded_seqlen-1. Also the gather index that dispatches a padded array."""
+        C = self.chunk_size
+        return (np.asarray(self.partitions, np.int64)[:, :, None] * C
+                + np.arange(C)[None, None, :]).reshape(-1).astype(np.int32)
+
+    def stats(self) -> PlanStats:
+        return self._stats
+
+    def fused_slices(self) -> SliceSet:
+        """Host and all remote slices in one list per rank, keys indexing ``concat(local keys, stage 0
+        buffer, stage 1 buffer, ...)``: for running everything as one call after fetching (degree 0)."""
+        qs, ks, ts, rk = [], [], [], []
+        shift = self.local_len
+        for i, ss in enumerate([self.host] + [s.slices for s in self.stages]):
+            keep = ss.q_ranges[:, :, 1] > ss.q_ranges[:, :, 0]
+            r = np.nonzero(keep)[0]
+            qs.append(ss.q_ranges[keep])
+            ks.append(ss.k_ranges[keep] + (0 if i == 0 else shift))
+            ts.append(ss.types[keep])
+            rk.append(r)
+            if i > 0:
+                shift += self.stages[i - 1].buffer_len
+        return SliceSet(*pad_slices(np.concatenate(rk), np.concatenate(qs), np.concatenate(ks),
+                                    np.concatenate(ts), self.cp))
+
+    def recv_global_keys(self, stage: int) -> np.ndarray:
+        """int32 [cp, buffer_len]: the global key held at every receive-buffer position (-1 padding)."""
+        t = self.stages[stage].transfers
+        out = np.full((self.cp, t.buffer_len), -1, np.int32)
+        ln = (t.src_end - t.src_start).astype(np.int64)
+        i = np.repeat(np.arange(len(ln)), ln)
+        w = np.arange(ln.sum()) - np.repeat(np.cumsum(ln) - ln, ln)
+        out[t.dst[i], t.dst_start[i] + w] = self.dispatch_perm[t.src[i].astype(np.int64) * self.local_len
+                                                               + t.src_start[i] + w]
+        return out
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DistAttnPlan) and self._key == other._key
+
+    def __repr__(self) -> str:
+        s = self._stats
+        return (f"DistAttnPlan(cp={self.cp}, axis={self.axis!r}, chunk_size={self.chunk_size}, "
+                f"solver={self.solver!r}, seqlen={self.seqlen}, padded={self.padded_seqlen}, "
+                f"stages={self.num_stages}, imbalance={s.imbalance:.4f}, "
+                f"max_remote_keys={int(s.remote_keys.max(initial=0))})")
+
+
+def default_chunk_size(seqlen: int, cp: int) -> int:
+    """At least 8 chunks per rank, at most 2048 tokens: ``seqlen / (8 cp)`` rounded down to a multiple of
+    128 (kernel tiles) when that large, else to a power of two."""
+    c = max(1, min(2048, math.ceil(seqlen / (8 * cp))))
+    return c // 128 * 128 if c >= 128 else 1 << (c.bit_length() - 1)
+
+
+def _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap):
+    if not isinstance(mask, AttnMask):
+        raise TypeError(f"mask: expected a magi_jax AttnMask, got {type(mask).__name__}")
+    if mask.total_seqlen_q != mask.total_seqlen_k:
+        raise ValueError(f"mask: cross-attention (total_seqlen_q={mask.total_seqlen_q} != total_seqlen_k="
+                         f"{mask.total_seqlen_k}) is not supported by the planner; only self-attention is")
+    if mask.total_seqlen_q < 1:
+        raise ValueError("mask: the sequence is empty")
+    for name, v in (("cp", cp), ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv),
+                    ("head_dim", head_dim)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool)
+                                   or not isinstance(chunk_size, (int, np.integer)) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected an integer >= 1 (or None for the default), got {chunk_size!r}")
+    if num_heads_q % num_heads_kv:
+        raise ValueError(f"num_heads_q={num_heads_q} is not a multiple of num_heads_kv={num_heads_kv}")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver: unknown {solver!r}; expected one of {sorted(SOLVERS)}")
+    if not (overlap == "auto" or (isinstance(overlap, (int, np.integer)) and not isinstance(overlap, bool)
+                                  and 0 <= overlap <= MAX_DEGREE)):
+        raise ValueError(f"overlap: expected 'auto' or an integer 0..{MAX_DEGREE}, got {overlap!r}")
+    if not imbalance_cap >= 1.0:
+        raise ValueError(f"imbalance_cap: expected a number >= 1, got {imbalance_cap!r}")
+
+
+def make_plan(mask: AttnMask, cp: int, chunk_size: int | None = None, solver: str = DEFAULT_SOLVER,
+              overlap: int | str = "auto", num_heads_q: int = 16, num_heads_kv: int | None = None,
+              head_dim: int = 128, cost_model: CostModel | None = None, imbalance_cap: float = 1.02,
+              axis: str = "cp") -> DistAttnPlan:
+    """Plan self-attention with ``mask`` over ``cp`` ranks; cached on all arguments.
+
+    ``chunk_size`` defaults to ``default_chunk_size(seqlen, cp)``. ``solver`` is one of ``SOLVERS``
+    (``comm_aware``, ``minheap``, ``zigzag``, ``contiguous``). ``overlap`` is the number of stages the remote
+    keys are fetched in (0: all at once, then one fused call; 1..8), or "auto" for the cost model's best.
+    Heads and head_dim only feed the cost model. ``imbalance_cap`` bounds max/mean area for ``comm_aware``.
+    """
+    num_heads_kv = num_heads_q if num_heads_kv is None else num_heads_kv
+    _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap)
+    cost_model = CostModel() if cost_model is None else cost_model
+    chunk_size = default_chunk_size(mask.total_seqlen_q, cp) if chunk_size is None else int(chunk_size)
+    return _make_plan(mask, int(cp), chunk_size, solver, overlap if overlap == "auto" else int(overlap),
+                      int(num_heads_q), int(num_heads_kv), int(head_dim), cost_model, float(imbalance_cap),
+                      str(axis))
+
+
+@functools.lru_cache(maxsize=64)
+def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str, hq: int, hkv: int,
+               head_dim: int, model: CostModel, imbalance_cap: float, axis: str) -> DistAttnPlan:
+    key = (mask, cp, C, solver, overlap, hq, hkv, head_dim, model, imbalance_cap, axis)
+    T = mask.total_seqlen_q
+    real_chunks = math.ceil(T / C)
+    if real_chunks < cp:
+        raise ValueError(f"cp={cp} ranks but only {real_chunks} chunks of chunk_size={C} in {T} tokens; "
+                         f"use chunk_size <= {max(1, T // cp)} or fewer ranks")
+    n = math.ceil(T / (C * cp)) * cp
+    T_pad, per = n * C, n // cp
+    L = per * C
+    table = chunk_table(mask, C, n)
+    cell_s, key_s = model.cell_seconds(hq, head_dim), model.key_seconds(hkv, head_dim)
+    parts = tuple(np.asarray(p, np.int64) for p in
+                  SOLVERS[solver](table, cp, cell_cost=cell_s, key_cost=key_s, imbalance_cap=imbalance_cap))
+    owner = np.empty(n, np.int64)
+    local = np.empty(n, np.int64)        # position of each chunk in its owner's list
+    for r, p in enumerate(parts):
+        owner[p] = r
+        local[p] = np.arange(per)
+
+    # Dispatch: rank-major local buffers; padding tokens (global index >= T) marked -1.
+    pos = (np.stack(parts)[:, :, None] * C + np.arange(C)[None, None, :]).reshape(-1)
+    dispatch_perm = np.where(pos < T, pos, -1).astype(np.int32)
+    undispatch = np.empty(T_pad, np.int64)
+    undispatch[pos] = np.arange(T_pad)
+    undispatch_perm = undispatch[:T].astype(np.int32)
+
+    rs = rank_slices(mask, C, parts)
+    runs, _ = chunk_runs(parts)
+    # Remote pieces: each rank's needed keys outside its own chunks, cut at chunk edges.
+    nr, na, nb = needed_keys(rs)
+    first, last = na // C, (nb - 1) // C
+    cnt = last - first + 1
+    i = np.repeat(np.arange(len(nr)), cnt)
+    ch = first[i] + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    g0, g1 = np.maximum(na[i], ch * C), np.minimum(nb[i], (ch + 1) * C)
+    remote = owner[ch] != nr[i]
+    p_dst, p_src, p_g0, p_g1, p_ch = nr[i][remote], owner[ch][remote], g0[remote], g1[remote], ch[remote]
+    p_tok = p_g1 - p_g0
+    p_src_local = local[p_ch] * C + (p_g0 - p_ch * C)
+
+    # Pass 1: host slices (final) and the area each remote piece brings (to size the stages).
+    span = T_pad + 1
+    segs = Segments.build(np.concatenate([runs.rank, p_dst]), np.concatenate([runs.first * C, p_g0]),
+                          np.concatenate([runs.end * C, p_g1]),
+                          np.concatenate([runs.local_first * C, np.zeros(len(p_dst), np.int64)]),
+                          np.concatenate([np.full(len(runs.rank), -1), np.arange(len(p_dst))]))
+    c1 = cut(mask, rs, segs, span)
+    a1 = slice_areas(c1.q_ranges, c1.k_ranges, c1.types)
+    is_host = c1.tag < 0
+    host_area = np.bincount(c1.rank[is_host], weights=a1[is_host], minlength=cp).astype(np.int64)
+    p_area = np.bincount(c1.tag[~is_host], weights=a1[~is_host], minlength=len(p_dst)).astype(np.int64)
+    host = SliceSet(*pad_slices(c1.rank[is_host], c1.q_ranges[is_host], c1.k_ranges[is_host],
+                                c1.types[is_host], cp))
+
+    # Stages: the degree the cost model likes best, or the one asked for.
+    def timing(d: int) -> tuple[StageTiming, np.ndarray]:
+        st = assign_stages(p_dst, p_g0, p_tok, cp, d)
+        if len(st):                                   # drop stages empty on every rank
+            st = np.unique(st, return_inverse=True)[1].reshape(-1)
+        dd = 0 if d == 0 else (int(st.max()) + 1 if len(st) else 0)
+        return stage_timing(dd, cp, host_area, p_dst, p_src, p_tok, p_area, st, cell_s, key_s, model), st
+    if len(p_dst) == 0:
+        degree_options = [0]
+    elif overlap == "auto":
+        degree_options = list(range(0, MAX_DEGREE + 1))
+    else:
+        degree_options = [overlap]
+    best = None
+    for d in degree_options:
+        tm, st = timing(d)
+        if best is None or tm.total < best[0].total * (1 - 1e-9):
+            best = (tm, st, d)
+    tm, p_stage, degree = best
+    n_stages = 0 if len(p_dst) == 0 else int(p_stage.max()) + 1
+
+    # Pass 2: per stage the transfer table, then the remote slices against its merged ranges.
+    stage_tables, seg_parts = [], []
+    for s in range(n_stages):
+        m = p_stage == s
+        tbl, sg0, off = build_transfers(p_dst[m], p_src[m], p_g0[m], p_g1[m], p_src_local[m], cp)
+        stage_tables.append(tbl)
+        seg_parts.append((tbl.dst.astype(np.int64), sg0, sg0 + (tbl.src_end - tbl.src_start), off.astype(np.int64),
+                          np.full(len(sg0), s)))
+    stages: list[Stage] = []
+    stage_area = np.zeros((n_stages, cp), np.int64)
+    if n_stages:
+        segs2 = Segments.build(*(np.concatenate([sp[k] for sp in seg_parts]) for k in range(5)))
+        c2 = cut(mask, rs, segs2, span)
+        for s in range(n_stages):
+            m = c2.tag == s
+            ss = SliceSet(*pad_slices(c2.rank[m], c2.q_ranges[m], c2.k_ranges[m], c2.types[m], cp))
+            stage_area[s] = ss.areas()
+            stages.append(Stage(ss, stage_tables[s]))
+
+    remote_keys = np.bincount(p_dst, weights=p_tok, minlength=cp).astype(np.int64)
+    sent_keys = np.bincount(p_src, weights=p_tok, minlength=cp).astype(np.int64)
+    area = host_area + stage_area.sum(axis=0)
+    stats = PlanStats(area=area, host_area=host_area, stage_area=stage_area, remote_keys=remote_keys,
+                      sent_keys=sent_keys, buffer_lens=tuple(t.buffer_len for t in stage_tables),
+                      imbalance=float(area.max() / max(area.mean(), 1e-300)),
+                      predicted_time_s=tm.total, rank_time_s=tm.per_rank, stage_comm_s=tm.comm,
+                      flops=4.0 * float(area.sum()) * hq * head_dim)
+    for a in (dispatch_perm, undispatch_perm, table.areas):
+        a.setflags(write=False)
+    return DistAttnPlan(mask=mask, cp=cp, axis=axis, chunk_size=C, solver=solver, overlap_degree=degree,
+                        num_heads_q=hq, num_heads_kv=hkv, head_dim=head_dim, cost_model=model,
+                        imbalance_cap=imbalance_cap, seqlen=T, padded_seqlen=T_pad,
+                        partitions=tuple(tuple(int(c) for c in p) for p in parts),
+                        dispatch_perm=dispatch_perm, undispatch_perm=undispatch_perm, host=host,
+                        stages=tuple(stages), chunk_areas=table.areas, _stats=stats, _key=key)

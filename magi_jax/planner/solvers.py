@@ -1,0 +1,335 @@
+"""Dispatch solvers: which rank owns which chunks (equal chunk count per rank).
+
+Every solver maps a ``ChunkTable`` and ``cp`` to ``cp`` ascending int64 arrays of chunk ids. Selectable by name
+through ``SOLVERS``:
+
+- ``comm_aware`` (default): minimise the slowest rank's predicted time, ``cell_cost * area +
+  key_cost * remote_keys``, under a hard cap on ``max area / mean area``: a greedy start that keeps chunks
+  needing the same keys together, then a swap local search.
+- ``minheap``: the reference library's solver: chunks by area descending onto the least-loaded rank that
+  still has room. Balances area, ignores communication.
+- ``zigzag``: rank i gets blocks i and 2cp-1-i of 2cp equal blocks (balanced for one causal sequence).
+- ``contiguous``: rank i gets the i-th run of chunks.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable
+
+import numpy as np
+
+from magi_jax.planner.chunks import ChunkTable
+
+Partition = tuple[np.ndarray, ...]
+
+
+def _check(num_chunks: int, cp: int) -> int:
+    if num_chunks % cp:
+        raise ValueError(f"num_chunks={num_chunks} is not a multiple of cp={cp}")
+    return num_chunks // cp
+
+
+def minheap(areas: np.ndarray, cp: int) -> Partition:
+    """Largest area first onto the least-loaded rank with room; ties go to the lower rank id."""
+    areas = np.asarray(areas)
+    per = _check(len(areas), cp)
+    heap = [(0, r) for r in range(cp)]
+    parts: list[list[int]] = [[] for _ in range(cp)]
+    for c in np.argsort(-areas, kind="stable"):
+        load, r = heapq.heappop(heap)
+        parts[r].append(int(c))
+        if len(parts[r]) < per:  # a full rank leaves the heap for good
+            heapq.heappush(heap, (load + areas[c], r))
+    return tuple(np.sort(np.array(p, np.int64)) for p in parts)
+
+
+def contiguous(num_chunks: int, cp: int) -> Partition:
+    per = _check(num_chunks, cp)
+    return tuple(np.arange(r * per, (r + 1) * per, dtype=np.int64) for r in range(cp))
+
+
+def zigzag(num_chunks: int, cp: int) -> Partition:
+    per = _check(num_chunks, cp)
+    if per % 2:
+        raise ValueError(f"zigzag needs an even number of chunks per rank, got {per}")
+    half = per // 2
+    return tuple(np.concatenate([np.arange(r * half, (r + 1) * half),
+                                 np.arange((2 * cp - 1 - r) * half, (2 * cp - r) * half)]).astype(np.int64)
+                 for r in range(cp))
+
+
+def _bincount(index: np.ndarray, weights: np.ndarray, size: int) -> np.ndarray:
+    """Float sums per index (np.bincount returns ints for empty input)."""
+    return np.bincount(index, weights=weights.astype(np.float64), minlength=size).astype(np.float64)
+
+
+class _RemoteModel:
+    """Predicted fetched keys of a chunk set: per key chunk not owned, the most keys any owned chunk
+    needs from it (exact when needs from one key chunk are nested, as for causal documents)."""
+
+    def __init__(self, table: ChunkTable):
+        self.n = table.num_chunks
+        self.indptr = table.need_indptr
+        self.kc = table.need_chunk
+        self.tok = table.need_tokens.astype(np.float64)
+        self.row = np.repeat(np.arange(self.n), np.diff(self.indptr))
+        self._mark = np.zeros(self.n, bool)
+
+    def entries(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(key chunk, tokens, position in ``chunks``) of every need entry of ``chunks``."""
+        s, e = self.indptr[chunks], self.indptr[chunks + 1]
+        lens = e - s
+        pos = np.repeat(np.arange(len(chunks)), lens)
+        idx = np.repeat(s - (np.cumsum(lens) - lens), lens) + np.arange(lens.sum())
+        return self.kc[idx], self.tok[idx], pos
+
+    def cover(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+        """Per key chunk: largest need (cov1), runner-up (cov2), the position in ``chunks`` of the largest
+        (-1 if none); and the remote keys: the sum of cov1 over key chunks not in ``chunks``."""
+        n = self.n
+        cov1, cov2 = np.zeros(n), np.zeros(n)
+        arg1 = np.full(n, -1, np.int64)
+        k, w, pos = self.entries(chunks)
+        if len(k):
+            order = np.lexsort((-w, k))
+            k, w, pos = k[order], w[order], pos[order]
+            first = np.ones(len(k), bool)
+            first[1:] = k[1:] != k[:-1]
+            cov1[k[first]] = w[first]
+            arg1[k[first]] = pos[first]
+            second = np.zeros(len(k), bool)
+            second[1:] = ~first[1:] & first[:-1]
+            cov2[k[second]] = w[second]
+        self._mark[chunks] = True
+        rem = float(cov1[~self._mark].sum())
+        self._mark[chunks] = False
+        return cov1, cov2, arg1, rem
+
+    def remote(self, chunks: np.ndarray) -> float:
+        return self.cover(chunks)[3]
+
+
+def affinity_greedy(table: ChunkTable, cp: int, key_cost: float, imbalance_cap: float) -> Partition:
+    """Largest area first, each chunk onto the rank where it adds the fewest fetched keys.
+
+    Only ranks with room whose load stays under the cap (keeping, for their remaining slots, half the
+    mean area of the chunks not yet placed) are eligible; among equal additions a chunk the rank already
+    needs goes to the rank fetching the most, a new need to the rank fetching the least. When no rank is
+    eligible the least-loaded rank with room takes it, as in ``minheap``.
+    """
+    n = table.num_chunks
+    per = _check(n, cp)
+    areas = table.areas.astype(np.float64)
+    model = _RemoteModel(table)
+    cap = imbalance_cap * areas.sum() / cp
+    cov_t = np.zeros((n, cp))          # per key chunk and rank: the largest need so far
+    owner = np.full(n, -1, np.int64)
+    load, rem = np.zeros(cp), np.zeros(cp)
+    count = np.zeros(cp, np.int64)
+    ranks = np.arange(cp)
+    left_area, left = areas.sum(), n
+    for c in np.argsort(-areas, kind="stable"):
+        k, w = model.kc[model.indptr[c]:model.indptr[c + 1]], model.tok[model.indptr[c]:model.indptr[c + 1]]
+        other = k != c
+        k, w = k[other], w[other]
+        gap = np.maximum(0.0, w[:, None] - cov_t[k])
+        gap[owner[k][:, None] == ranks[None, :]] = 0.0
+        inc = gap.sum(axis=0) - cov_t[c]       # owning c also stops fetching it
+        left_area -= areas[c]
+        left -= 1
+        reserve = 0.5 * np.maximum(per - count - 1, 0) * left_area / max(left, 1)
+        room = count < per
+        ok = room & (load + areas[c] + reserve <= cap)
+        if ok.any():
+            primary = np.where(ok, inc, np.inf)
+            tie = np.flatnonzero(primary <= primary.min() + 1e-9)
+            second = np.where(inc[tie] < 0, -rem[tie], rem[tie] + inc[tie])
+            r = int(tie[np.argmin(second)])
+        else:
+            r = int(np.argmin(np.where(room, load, np.inf)))
+        owner[c] = r
+        count[r] += 1
+        load[r] += areas[c]
+        rem[r] += inc[r]
+        cov_t[k, r] = np.maximum(cov_t[k, r], w)
+    return tuple(np.sort(np.flatnonzero(owner == r)) for r in range(cp))
+
+
+class _SwapSearch:
+    """State of the comm-aware local search (see ``comm_aware``)."""
+
+    def __init__(self, table: ChunkTable, cp: int, cell_cost: float, key_cost: float,
+                 imbalance_cap: float, start: Partition, min_gain: float = 0.0):
+        n = table.num_chunks
+        self.n, self.cp, self.per = n, cp, _check(n, cp)
+        self.areas = table.areas.astype(np.float64)
+        self.model = model = _RemoteModel(table)
+        self.not_self = model.kc != model.row
+        self.cell_cost, self.key_cost = cell_cost, key_cost
+        self.cap = imbalance_cap * self.areas.sum() / cp
+        # One cell over the cap costs more than any time the search can save.
+        self.penalty = 2.0 * (cell_cost * self.areas.sum() + key_cost * n * table.chunk_size) + 1.0
+        # Areas and keys are integers: a real improvement is far above this, float noise far below.
+        self.tol = 1e-12 * (cell_cost * self.areas.sum() / cp + key_cost * table.chunk_size)
+        self.min_gain = min_gain
+        self.parts = np.stack([np.asarray(p, np.int64) for p in start])
+        self.owner = np.empty(n, np.int64)
+        for r, p in enumerate(self.parts):
+            self.owner[p] = r
+        # Per rank and key chunk: the largest need (also kept key-major for gathers over ranks), the
+        # runner-up, and the chunk giving the largest (-1 if none).
+        self.cov1 = np.zeros((cp, n))
+        self.cov1_t = np.zeros((n, cp))
+        self.cov2 = np.zeros((cp, n))
+        self.arg1 = np.full((cp, n), -1, np.int64)
+        self.rem = np.zeros(cp)
+        self.rem_without = np.zeros(n)   # remote keys of owner[c] once c leaves it, per chunk c
+        for r in range(cp):
+            self.refresh(r)
+        self.load = self.areas[self.parts].sum(axis=1)
+        self.t = self.cost(self.load, self.rem)
+
+    def cost(self, load, rem):
+        return (self.cell_cost * load + self.key_cost * rem
+                + self.penalty * np.maximum(0.0, load - self.cap))
+
+    def refresh(self, r: int) -> None:
+        P = self.parts[r]
+        c1, c2, a1, rm = self.model.cover(P)
+        self.cov1[r], self.cov1_t[:, r], self.cov2[r], self.rem[r] = c1, c1, c2, rm
+        self.arg1[r] = np.where(a1 >= 0, P[np.maximum(a1, 0)], -1)
+        # Removing P[j]: keys whose top need came from P[j] fall to the runner-up, and P[j] becomes a
+        # key chunk the rest may need.
+        notown = np.ones(self.n, bool)
+        notown[P] = False
+        valid = (a1 >= 0) & notown
+        delta = _bincount(a1[valid], (c1 - c2)[valid], self.per)
+        self_cov = np.where(a1[P] == np.arange(self.per), c2[P], c1[P])
+        self.rem_without[P] = rm - delta + self_cov
+
+    def best_swap(self, r: int, candidates_checked: int) -> tuple[int, int, int] | None:
+        """A swap (position j in r, chunk c', its owner s) lowering both costs below r's, or None."""
+        n, per, areas, owner = self.n, self.per, self.areas, self.owner
+        model, limit = self.model, self.t[r] - self.tol - self.min_gain * self.t[r]
+        kc, tok, row = model.kc, model.tok, model.row
+        P = self.parts[r]
+        pos = np.full(n, -1, np.int64)
+        pos[P] = np.arange(per)
+        c1, c2 = self.cov1[r], self.cov2[r]
+        a1 = np.where(self.arg1[r] >= 0, pos[np.maximum(self.arg1[r], 0)], -1)
+        self_cov = np.where(a1[P] == np.arange(per), c2[P], c1[P])
+        # r's remote after swapping P[j] for c', exactly: keys c' adds relative to r's full cover...
+        k_owned = pos[kc] >= 0
+        add = _bincount(row, np.maximum(0.0, tok - c1[kc]) * (~k_owned & self.not_self), n)
+        # ...corrected where P[j] gave the top need (the cover falls to the runner-up) and for P[j]
+        # itself, which becomes a key chunk to fetch...
+        a_k = a1[kc]
+        sel = np.flatnonzero((a_k >= 0) & ~k_owned & self.not_self)
+        ks, ws = kc[sel], tok[sel]
+        fix = _bincount(a_k[sel] * n + row[sel],
+                        np.maximum(0.0, ws - c2[ks]) - np.maximum(0.0, ws - c1[ks]), per * n)
+        sel = np.flatnonzero(k_owned & self.not_self)
+        j_of = pos[kc[sel]]
+        fix += _bincount(j_of * n + row[sel], np.maximum(0.0, tok[sel] - self_cov[j_of]), per * n)
+        # ...minus c' itself, which r then owns (its cover without P[j]).
+        cov_wo = np.broadcast_to(c1, (per, n)).copy()
+        has = np.flatnonzero(a1 >= 0)
+        cov_wo[a1[has], has] = c2[has]
+        est_r = self.cost(self.load[r] - areas[P][:, None] + areas[None, :],
+                          self.rem_without[P][:, None] + add[None, :] + fix.reshape(per, n) - cov_wo)
+        # s's remote, a lower bound: without c' (exact), plus what P[j] adds to s's current cover,
+        # minus s's need of P[j], which s then owns.
+        k, w, jj = model.entries(P)
+        keep = k != P[jj]
+        k, w, jj = k[keep], w[keep], jj[keep]
+        gap = np.maximum(0.0, w[:, None] - self.cov1_t[k])               # [entries, cp]
+        gap[np.arange(len(k)), owner[k]] = 0.0
+        onehot = np.zeros((per, len(k)))
+        onehot[jj, np.arange(len(k))] = 1.0
+        add_s = onehot @ gap                                               # [per, cp]
+        est_s = self.cost(self.load[owner][None, :] - areas[None, :] + areas[P][:, None],
+                          self.rem_without[None, :] + add_s[:, owner] - self.cov1_t[P][:, owner])
+        score = np.maximum(est_r, est_s)
+        score[:, P] = np.inf
+        score = score.reshape(-1)
+        flat = np.flatnonzero(score < limit)
+        if len(flat) == 0:
+            return None
+        if len(flat) > candidates_checked and self.load[r] <= self.cap:   # over the cap: try them all
+            flat = flat[np.argpartition(score[flat], candidates_checked - 1)[:candidates_checked]]
+        for f in flat[np.argsort(score[flat], kind="stable")]:
+            j, c_new = divmod(int(f), n)
+            s = int(owner[c_new])
+            Ps = self.parts[s].copy()
+            Ps[Ps == c_new] = P[j]
+            if self.cost(self.load[s] - areas[c_new] + areas[P[j]], model.remote(Ps)) < limit:
+                return j, c_new, s
+        return None
+
+    def apply(self, r: int, j: int, c_new: int, s: int) -> None:
+        c = self.parts[r, j]
+        self.parts[r, j] = c_new
+        self.parts[s][self.parts[s] == c_new] = c
+        self.owner[c], self.owner[c_new] = s, r
+        self.load[r] += self.areas[c_new] - self.areas[c]
+        self.load[s] += self.areas[c] - self.areas[c_new]
+        for x in (r, s):
+            self.refresh(x)
+            self.t[x] = self.cost(self.load[x], self.rem[x])
+
+    def run(self, max_moves: int, ranks_tried: int, candidates_checked: int) -> Partition:
+        for _ in range(max_moves):
+            for r in np.argsort(-self.t, kind="stable")[:ranks_tried]:
+                move = self.best_swap(int(r), candidates_checked)
+                if move is not None:
+                    self.apply(int(r), *move)
+                    break
+            else:
+                break
+        return tuple(np.sort(p) for p in self.parts)
+
+
+def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: float = 1800.0,
+               imbalance_cap: float = 1.02, min_gain: float = 0.005, max_moves: int | None = None,
+               ranks_tried: int = 4, candidates_checked: int = 8) -> Partition:
+    """Minimise the slowest rank's ``cell_cost*area + key_cost*remote`` under ``max area <= cap * mean``.
+
+    Start: ``affinity_greedy``, or contiguous or zigzag if under the cap and cheaper. Then a swap local search:
+    a swap of chunk c (rank r) with chunk c' (rank s) is taken when both new costs fall below r's old cost
+    by ``min_gain`` (relative), so the sorted vector of rank costs strictly decreases and the search ends.
+    Ranks are tried from the most expensive down (``ranks_tried`` per round). For rank r every swap is
+    scored at once: r's new remote keys exactly, s's by a tight lower bound (per-rank tables of the largest
+    and second largest need per key chunk); the best ``candidates_checked`` are then checked exactly (all of
+    them while r is over the cap). Area over the cap costs more than any time the search can save, so it is
+    removed first and never comes back. ``cell_cost`` and ``key_cost`` are seconds per attended cell and
+    per fetched key (only their ratio matters).
+    """
+    n = table.num_chunks
+    per = _check(n, cp)
+    # The greedy start leads to the best searches on document masks even when it starts over the cap; a
+    # start already under the cap (e.g. contiguous for sliding windows) wins when it is cheaper.
+    starts = [affinity_greedy(table, cp, key_cost / max(cell_cost, 1e-300), imbalance_cap), contiguous(n, cp)]
+    if per % 2 == 0:
+        starts.append(zigzag(n, cp))
+    searches = [_SwapSearch(table, cp, cell_cost, key_cost, imbalance_cap, s, min_gain) for s in starts]
+    under = [s for s in searches if s.load.max() <= s.cap]
+    best = min(under, key=lambda s: s.t.max()) if under else searches[0]
+    return best.run(40 * n if max_moves is None else max_moves, ranks_tried, candidates_checked)
+
+
+def predicted_remote(table: ChunkTable, partition: Partition) -> np.ndarray:
+    """The solvers' estimate of each rank's fetched keys (the plan computes the exact number)."""
+    model = _RemoteModel(table)
+    return np.array([model.remote(np.asarray(p)) for p in partition])
+
+
+SolverFn = Callable[..., Partition]
+
+SOLVERS: dict[str, SolverFn] = {
+    "comm_aware": lambda table, cp, **kw: comm_aware(table, cp, **kw),
+    "minheap": lambda table, cp, **kw: minheap(table.areas, cp),
+    "zigzag": lambda table, cp, **kw: zigzag(table.num_chunks, cp),
+    "contiguous": lambda table, cp, **kw: contiguous(table.num_chunks, cp),
+}
+DEFAULT_SOLVER = "comm_aware"

@@ -1,0 +1,106 @@
+"""Overlap stages and the cost model that sizes them.
+
+Each rank's remote keys are split into ``degree`` stages of about equal size (in global key order). The
+distributed layer runs, per rank: host FFA || fetch stage 0; then FFA on stage i-1 || fetch stage i; then FFA
+on the last stage. The collectives synchronise the ranks, so the predicted time is bulk-synchronous:
+
+    T = max(max_r host_r, comm_0) + sum_{i=1}^{d-1} max(max_r comp_{r,i-1}, comm_i) + max_r comp_{r,d-1}
+
+with ``comm_i = latency + key_seconds * max_r max(received_r,i, sent_r,i)`` and ``comp = launch +
+cell_seconds * area``. Degree 0 fetches everything first and runs one fused call:
+``T = comm_all + max_r (host_r + remote_r)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAX_DEGREE = 8
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Calibratable constants. Defaults: one H200, bf16 (PEERS.md: FFA-class kernels reach 450-600 TFLOP/s
+    forward on masked cells; all_to_all moves 266 GB/s per rank over NVLink)."""
+
+    flops_per_s: float = 450e12          # attention forward, counting unmasked cells only
+    bytes_per_s: float = 250e9           # per rank, inter-GPU
+    collective_latency_s: float = 25e-6  # fixed cost of one collective
+    launch_s: float = 10e-6              # fixed cost of one attention call
+    dtype_bytes: int = 2
+
+    def cell_seconds(self, num_heads_q: int, head_dim: int) -> float:
+        return 4.0 * num_heads_q * head_dim / self.flops_per_s
+
+    def key_seconds(self, num_heads_kv: int, head_dim: int) -> float:
+        return 2.0 * num_heads_kv * head_dim * self.dtype_bytes / self.bytes_per_s   # K and V
+
+    @classmethod
+    def calibrated(cls, *, attn_cells: float, attn_seconds: float, num_heads_q: int, head_dim: int,
+                   comm_bytes: float, comm_seconds: float, **kw) -> "CostModel":
+        """From one measured attention call (cells, seconds) and one measured transfer (bytes per rank,
+        seconds); ``kw`` overrides the remaining fields."""
+        if min(attn_cells, attn_seconds, comm_bytes, comm_seconds) <= 0:
+            raise ValueError("calibrated: cells, bytes and seconds must be positive")
+        return cls(flops_per_s=4.0 * num_heads_q * head_dim * attn_cells / attn_seconds,
+                   bytes_per_s=comm_bytes / comm_seconds, **kw)
+
+
+@dataclass(frozen=True)
+class StageTiming:
+    """Predicted seconds of one stage split (arrays per stage i = 0..d-1, per rank r)."""
+
+    degree: int
+    total: float               # bulk-synchronous time of the whole forward call
+    host: np.ndarray           # [cp] host compute
+    comm: np.ndarray           # [d] collective of stage i
+    comp: np.ndarray           # [d, cp] compute of stage i
+    per_rank: np.ndarray       # [cp] each rank's own critical path (others never waiting)
+
+
+def assign_stages(dst: np.ndarray, start: np.ndarray, tokens: np.ndarray, cp: int, degree: int
+                  ) -> np.ndarray:
+    """Stage of every remote piece: each rank's pieces in global order cut into ``degree`` parts of about
+    equal key count (a piece goes where its middle falls)."""
+    if degree <= 1 or len(dst) == 0:
+        return np.zeros(len(dst), np.int64)
+    order = np.lexsort((start, dst))
+    d, tok = dst[order], tokens[order].astype(np.float64)
+    total = np.bincount(d, weights=tok, minlength=cp)
+    before = np.cumsum(tok) - tok
+    before -= before[np.searchsorted(d, d, side="left")]      # keys of the same rank placed before
+    stage = np.minimum(degree - 1, np.floor(degree * (before + tok / 2) / total[d]).astype(np.int64))
+    out = np.empty(len(dst), np.int64)
+    out[order] = stage
+    return out
+
+
+def stage_timing(degree: int, cp: int, host_area: np.ndarray, dst: np.ndarray, src: np.ndarray,
+                 tokens: np.ndarray, area: np.ndarray, stage: np.ndarray, cell_s: float, key_s: float,
+                 model: CostModel) -> StageTiming:
+    host = model.launch_s + cell_s * host_area
+    d = max(degree, 1)
+    recv = np.zeros((d, cp))
+    send = np.zeros((d, cp))
+    comp_area = np.zeros((d, cp))
+    np.add.at(recv, (stage, dst), tokens)
+    np.add.at(send, (stage, src), tokens)
+    np.add.at(comp_area, (stage, dst), area)
+    if len(dst) == 0:                     # nothing to fetch: one call on host slices
+        z = np.zeros(0)
+        return StageTiming(0, float(host.max()), host, z, np.zeros((0, cp)), host)
+    rank_comm = model.collective_latency_s + key_s * np.maximum(recv, send)      # [d, cp]
+    comm = rank_comm.max(axis=1)
+    if degree == 0:
+        fused = host + cell_s * comp_area[0]
+        return StageTiming(0, float(comm[0] + fused.max()), host, comm, comp_area * cell_s,
+                           rank_comm[0] + fused)
+    comp = model.launch_s + cell_s * comp_area
+    total = max(host.max(), comm[0]) + comp[-1].max()
+    per_rank = np.maximum(host, rank_comm[0]) + comp[-1]
+    for i in range(1, d):
+        total += max(comp[i - 1].max(), comm[i])
+        per_rank = per_rank + np.maximum(comp[i - 1], rank_comm[i])
+    return StageTiming(degree, float(total), host, comm, comp, per_rank)

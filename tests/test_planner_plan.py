@@ -1,0 +1,235 @@
+"""make_plan: cell-by-cell coverage, layouts, padding, dispatch permutation, errors, hashing."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from magi_jax.mask import AttnMask
+from magi_jax.planner import CostModel, DistAttnPlan, make_plan
+from magi_jax.planner.plan import default_chunk_size
+
+from tests.test_planner_helpers import check_coverage, random_masks, varlen_causal
+
+SOLVER_NAMES = ["comm_aware", "minheap", "zigzag", "contiguous"]
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(mask=random_masks(), data=st.data())
+def test_coverage_random_masks(mask, data):
+    T = mask.total_seqlen_q
+    cp = data.draw(st.integers(1, min(4, T)))
+    chunk = data.draw(st.integers(1, max(1, T // cp)))
+    solver = data.draw(st.sampled_from(SOLVER_NAMES))
+    if solver == "zigzag" and (-(-T // (chunk * cp))) % 2:
+        solver = "minheap"
+    overlap = data.draw(st.sampled_from(["auto", 0, 1, 2, 3]))
+    plan = make_plan(mask, cp=cp, chunk_size=chunk, solver=solver, overlap=overlap)
+    check_coverage(plan)
+    assert plan.stats().area.sum() == mask.area()
+
+
+@pytest.mark.parametrize("solver", SOLVER_NAMES)
+@pytest.mark.parametrize("overlap", [0, 1, 3, "auto"])
+def test_coverage_documents(solver, overlap):
+    mask = varlen_causal([37, 5, 60, 1, 12, 90, 3, 48])  # 256 tokens
+    plan = make_plan(mask, cp=4, chunk_size=8, solver=solver, overlap=overlap)
+    check_coverage(plan)
+    if overlap != "auto" and plan.num_stages:
+        assert plan.num_stages <= max(1, overlap)
+
+
+def test_padding_and_permutation():
+    mask = varlen_causal([5, 9, 3])                           # 17 tokens, pads to 24 with cp=3, chunk 4
+    plan = make_plan(mask, cp=3, chunk_size=4)
+    assert (plan.seqlen, plan.padded_seqlen, plan.local_len) == (17, 24, 8)
+    perm = plan.dispatch_perm
+    assert perm.dtype == np.int32 and perm.shape == (24,)
+    assert sorted(perm[perm >= 0].tolist()) == list(range(17)) and (perm < 0).sum() == 7
+    pos = plan.position_ids()
+    assert np.array_equal(np.where(pos < 17, pos, -1), perm)
+    x = np.arange(17) * 10
+    x_d = np.concatenate([x, np.zeros(7, x.dtype)])[pos]      # dispatch
+    assert np.array_equal(x_d[plan.undispatch_perm], x)        # undispatch
+    for r, p in enumerate(plan.partitions):                    # each rank holds its chunks in order
+        assert list(p) == sorted(p) and len(p) == plan.chunks_per_rank
+        assert np.array_equal(pos[r * 8:(r + 1) * 8], (np.array(p)[:, None] * 4 + np.arange(4)).ravel())
+    check_coverage(plan)
+
+
+def test_padding_rows_get_no_slices():
+    plan = make_plan(AttnMask([[0, 10]], [[0, 10]], ["full"], 10, 10), cp=4, chunk_size=2)
+    pos = plan.position_ids()
+    for r in range(4):
+        rows = pos[r * plan.local_len:(r + 1) * plan.local_len]
+        lists = [plan.host.of_rank(r)] + [s.slices.of_rank(r) for s in plan.stages]
+        for q, _, _ in lists:
+            for a, b in q:
+                assert (rows[a:b] < 10).all()
+
+
+def test_layout_shapes_and_padding_slices():
+    mask = varlen_causal([100, 28, 64, 40, 24])
+    plan = make_plan(mask, cp=4, chunk_size=8, overlap=2)
+    for ss in [plan.host] + [s.slices for s in plan.stages]:
+        cp, N = ss.types.shape
+        assert cp == 4 and ss.q_ranges.shape == (4, N, 2) and ss.k_ranges.shape == (4, N, 2)
+        assert ss.q_ranges.dtype == ss.k_ranges.dtype == ss.types.dtype == np.int32
+        empty = ss.q_ranges[:, :, 1] == ss.q_ranges[:, :, 0]
+        assert (ss.q_ranges[empty] == 0).all() and (ss.k_ranges[empty] == 0).all()
+        assert (ss.q_ranges[:, :, 1] <= plan.local_len).all()
+    for s in plan.stages:
+        t = s.transfers
+        assert (s.slices.k_ranges[:, :, 1] <= t.buffer_len).all()
+        assert t.buffer_len == t.recv_tokens.max()
+        # every row's destination block lies inside the buffer; sources inside the local buffer
+        assert ((t.dst_start + t.src_end - t.src_start) <= t.buffer_len).all()
+        assert (t.src_end <= plan.local_len).all() and (t.src != t.dst).all()
+
+
+def test_transfer_indices_match_tables():
+    mask = varlen_causal([70, 10, 50, 30, 40, 56])
+    plan = make_plan(mask, cp=4, chunk_size=8, solver="minheap", overlap=2)
+    L = plan.local_len
+    for i, s in enumerate(plan.stages):
+        t = s.transfers
+        send, recv = t.send_index(), t.recv_index()
+        m = t.pair_max
+        assert send.shape == (4, 4, m) and recv.shape == (4, t.buffer_len)
+        # emulate all_to_all on global token ids: rank src's row dst goes to rank dst's row src
+        sent = np.where(send >= 0, plan.dispatch_perm[np.arange(4)[:, None, None] * L + np.maximum(send, 0)], -1)
+        received = sent.transpose(1, 0, 2).reshape(4, 4 * m)          # [dst, src * m]
+        got = np.where(recv >= 0, np.take_along_axis(received, np.maximum(recv, 0), axis=1), -1)
+        assert np.array_equal(got, plan.recv_global_keys(i))
+        assert np.array_equal((send >= 0).sum(axis=2), t.pair_tokens)
+
+
+def test_keys_sent_once_per_stage_and_rank():
+    plan = make_plan(varlen_causal([200, 56]), cp=4, chunk_size=8, solver="minheap", overlap=3)
+    for r in range(4):
+        keys = np.concatenate([plan.recv_global_keys(s)[r] for s in range(plan.num_stages)])
+        keys = keys[keys >= 0]
+        assert len(keys) == len(set(keys.tolist())) == plan.stats().remote_keys[r]
+
+
+def test_fused_slices_cover_the_same_cells():
+    plan = make_plan(varlen_causal([50, 14, 30, 34]), cp=2, chunk_size=8, solver="minheap", overlap=0)
+    assert plan.overlap_degree == 0 and plan.num_stages == 1
+    fused = plan.fused_slices()
+    L, T = plan.local_len, plan.seqlen
+    keys_of = [np.concatenate([plan.position_ids()[r * L:(r + 1) * L], plan.recv_global_keys(0)[r]])
+               for r in range(2)]
+    full = plan.mask.to_dense()
+    for r in range(2):
+        q, k, t = fused.of_rank(r)
+        d = AttnMask(q, k, t, L, len(keys_of[r])).to_dense()
+        got = np.zeros((L, T), np.int64)
+        for j, g in enumerate(keys_of[r]):
+            if g >= 0:
+                got[:, g] += d[:, j]
+        rows = plan.position_ids()[r * L:(r + 1) * L]
+        assert np.array_equal(got, full[rows])
+
+
+def test_worked_example_of_the_docstring():
+    plan = make_plan(varlen_causal([6, 2]), cp=2, chunk_size=2, solver="minheap", overlap=1)
+    assert plan.chunk_areas.tolist() == [3, 7, 11, 3]
+    assert plan.partitions == ((2, 3), (0, 1))
+    assert plan.dispatch_perm.tolist() == [4, 5, 6, 7, 0, 1, 2, 3]
+    q, k, t = plan.host.of_rank(0)
+    assert (q.tolist(), k.tolist(), t.tolist()) == ([[0, 2], [2, 4]], [[0, 2], [2, 4]], [1, 1])
+    q, k, t = plan.host.of_rank(1)
+    assert (q.tolist(), k.tolist(), t.tolist()) == ([[0, 4]], [[0, 4]], [1])
+    (stage,) = plan.stages
+    tr = stage.transfers
+    assert (tr.src.tolist(), tr.dst.tolist(), tr.src_start.tolist(), tr.src_end.tolist(),
+            tr.dst_start.tolist(), tr.buffer_len) == ([1], [0], [0], [4], [0], 4)
+    q, k, t = stage.slices.of_rank(0)
+    assert (q.tolist(), k.tolist(), t.tolist()) == ([[0, 2]], [[0, 4]], [0])
+    assert stage.slices.of_rank(1)[0].shape == (0, 2)
+    assert stage.slices.q_ranges.shape == (2, 1, 2)     # rank 1 holds one empty padding slice
+
+
+def test_hashable_equal_and_cached():
+    mask = varlen_causal([30, 34])
+    a = make_plan(mask, cp=2, chunk_size=8)
+    b = make_plan(varlen_causal([30, 34]), cp=2, chunk_size=8)
+    c = make_plan(mask, cp=2, chunk_size=4)
+    assert a == b and hash(a) == hash(b) and a is b          # cached on equal inputs
+    assert a != c
+    assert len({a, b, c}) == 2
+    with pytest.raises(Exception):
+        a.cp = 3
+
+
+def test_stats():
+    mask = varlen_causal([100, 28, 64, 40, 24])
+    plan = make_plan(mask, cp=4, chunk_size=8)
+    s = plan.stats()
+    assert s.area.sum() == mask.area()
+    assert np.array_equal(s.area, s.host_area + s.stage_area.sum(axis=0))
+    assert s.imbalance == pytest.approx(s.area.max() / s.area.mean())
+    assert s.remote_keys.sum() == s.sent_keys.sum()
+    assert s.predicted_time_s > 0 and len(s.rank_time_s) == 4
+    assert "imbalance" in s.table()
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(8192 * 64, 64) == 1024
+    assert default_chunk_size(1 << 20, 64) == 2048
+    assert default_chunk_size(100, 2) == 4
+    plan = make_plan(varlen_causal([100, 60]), cp=2)
+    assert plan.chunk_size == default_chunk_size(160, 2) and plan.chunks_per_rank >= 8
+
+
+def test_cost_model_calibration_changes_stages():
+    mask = varlen_causal([700, 200, 124])
+    slow_net = CostModel(bytes_per_s=1e6)
+    p = make_plan(mask, cp=4, chunk_size=16, solver="minheap", cost_model=slow_net)
+    assert p.cost_model == slow_net and p.overlap_degree in range(0, 9)
+    cal = CostModel.calibrated(attn_cells=1e9, attn_seconds=1e-3, num_heads_q=8, head_dim=64,
+                               comm_bytes=1e8, comm_seconds=1e-3)
+    assert cal.flops_per_s == pytest.approx(4 * 8 * 64 * 1e12) and cal.bytes_per_s == pytest.approx(1e11)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(cp=0), "cp"),
+    (dict(cp=2, chunk_size=0), "chunk_size"),
+    (dict(cp=8, chunk_size=4), "only 4 chunks"),
+    (dict(cp=2, solver="nope"), "solver"),
+    (dict(cp=2, overlap=9), "overlap"),
+    (dict(cp=2, num_heads_q=6, num_heads_kv=4), "multiple"),
+    (dict(cp=2, head_dim=0), "head_dim"),
+])
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_plan(varlen_causal([10, 6]), **kwargs)
+
+
+def test_cross_attention_is_rejected_plainly():
+    with pytest.raises(ValueError, match="cross-attention.*not supported"):
+        make_plan(AttnMask([[0, 4]], [[0, 6]], ["full"], 4, 6), cp=2, chunk_size=1)
+    with pytest.raises(TypeError, match="AttnMask"):
+        make_plan("causal", cp=2)
+
+
+def test_mask_lengths_disagreeing_with_arrays_are_rejected():
+    with pytest.raises(ValueError, match="out of bounds"):
+        AttnMask([[0, 12]], [[0, 12]], ["causal"], 10, 10)
+
+
+def test_planner_does_not_import_jax():
+    # magi_jax/__init__ loads the kernel layer (jax); the planner layer below it must not need it, so load
+    # the package without its __init__ and check that planning never brings jax in.
+    import subprocess
+    from pathlib import Path
+    pkg = Path(__file__).resolve().parents[1] / "magi_jax"
+    code = ("import sys, types; m = types.ModuleType('magi_jax'); m.__path__ = [%r]; sys.modules['magi_jax'] = m\n"
+            "import magi_jax.planner as p, magi_jax.planner.cli, magi_jax.planner.workloads as w\n"
+            "p.make_plan(w.varlen_mask([40, 24]), cp=2, chunk_size=4)\n"
+            "print(sorted(k for k in sys.modules if k.split('.')[0] in ('jax', 'jaxlib')))") % str(pkg)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
