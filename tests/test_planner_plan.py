@@ -17,11 +17,21 @@ from tests.test_planner_helpers import check_coverage, random_masks, varlen_caus
 SOLVER_NAMES = ["comm_aware", "minheap", "zigzag", "contiguous"]
 
 
-@settings(derandomize=True, max_examples=150, deadline=None)
+@settings(derandomize=True, max_examples=400, deadline=None)
 @given(mask=random_masks(), data=st.data())
 def test_coverage_random_masks(mask, data):
+    _random_plan_covers(mask, data, max_cp=4)
+
+
+@settings(derandomize=True, max_examples=60, deadline=None)
+@given(mask=random_masks(max_len=160, max_slices=24), data=st.data())
+def test_coverage_larger_random_masks(mask, data):
+    _random_plan_covers(mask, data, max_cp=8)
+
+
+def _random_plan_covers(mask, data, max_cp):
     T = mask.total_seqlen_q
-    cp = data.draw(st.integers(1, min(4, T)))
+    cp = data.draw(st.integers(1, min(max_cp, T)))
     chunk = data.draw(st.integers(1, max(1, T // cp)))
     solver = data.draw(st.sampled_from(SOLVER_NAMES))
     if solver == "zigzag" and (-(-T // (chunk * cp))) % 2:

@@ -205,18 +205,21 @@ def simulate_main(argv: Sequence[str]) -> int:
             print(f"simulate: unknown solver {s!r}")
             return 2
     kw = dict(overlap=a.overlap, num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim)
-    head = ("| cp | tokens | " + " | ".join(f"{s} max/mean, max remote/total, TFLOP/s" for s in solvers)
-            + " | comm_aware plan s |")
-    lines = [head, "|" + "---|" * (len(solvers) + 3)]
+    ratio = "comm_aware" in solvers and "minheap" in solvers
+    head = ("| cp | tokens | " + " | ".join(f"{s}: max/mean area, max remote/total, TFLOP/s" for s in solvers)
+            + (" | comm_aware / minheap max remote |" if ratio else " |") + " comm_aware plan s |")
+    lines = [head, "|" + "---|" * (len(solvers) + 3 + ratio)]
     print(head, flush=True)
     for cp in cps:
-        cells, plan_s = [], 0.0
+        cells, plan_s, res = [], 0.0, {}
         for s in solvers:
-            rs = [simulate_one(cp, seed, a.per_gpu, s, **kw) for seed in range(a.seeds)]
-            m = {k: float(np.mean([r[k] for r in rs])) for k in rs[0]}
+            res[s] = [simulate_one(cp, seed, a.per_gpu, s, **kw) for seed in range(a.seeds)]
+            m = {k: float(np.mean([r[k] for r in res[s]])) for k in res[s][0]}
             cells.append(f"{m['imbalance']:.3f}, {m['remote']:.3f}, {m['tflops']:.0f}")
             if s == "comm_aware":
                 plan_s = m["plan_seconds"]
+        if ratio:   # mean over seeds of the per-workload ratio
+            cells.append(f"{np.mean([c['remote'] / h['remote'] for c, h in zip(res['comm_aware'], res['minheap'])]):.3f}")
         line = f"| {cp} | {cp * a.per_gpu} | " + " | ".join(cells) + f" | {plan_s:.2f} |"
         lines.append(line)
         print(line, flush=True)

@@ -122,7 +122,7 @@ def affinity_greedy(table: ChunkTable, cp: int, key_cost: float, imbalance_cap: 
     per = _check(n, cp)
     areas = table.areas.astype(np.float64)
     model = _RemoteModel(table)
-    cap = imbalance_cap * areas.sum() / cp
+    cap = max(imbalance_cap * areas.sum() / cp, areas.max() + np.sort(areas)[:per - 1].sum())
     cov_t = np.zeros((n, cp))          # per key chunk and rank: the largest need so far
     owner = np.full(n, -1, np.int64)
     load, rem = np.zeros(cp), np.zeros(cp)
@@ -167,7 +167,10 @@ class _SwapSearch:
         self.model = model = _RemoteModel(table)
         self.not_self = model.kc != model.row
         self.cell_cost, self.key_cost = cell_cost, key_cost
-        self.cap = imbalance_cap * self.areas.sum() / cp
+        # If the heaviest chunk plus the lightest others already exceed the cap, no partition meets it:
+        # aim at that bound instead, so the rank holding that chunk does not stall the search.
+        lightest = np.sort(self.areas)[:self.per - 1].sum()
+        self.cap = max(imbalance_cap * self.areas.sum() / cp, self.areas.max() + lightest)
         # One cell over the cap costs more than any time the search can save.
         self.penalty = 2.0 * (cell_cost * self.areas.sum() + key_cost * n * table.chunk_size) + 1.0
         # Areas and keys are integers: a real improvement is far above this, float noise far below.

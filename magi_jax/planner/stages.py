@@ -63,7 +63,9 @@ class StageTiming:
 def assign_stages(dst: np.ndarray, start: np.ndarray, tokens: np.ndarray, cp: int, degree: int
                   ) -> np.ndarray:
     """Stage of every remote piece: each rank's pieces in global order cut into ``degree`` parts of about
-    equal key count (a piece goes where its middle falls)."""
+    equal key count (a piece goes where its middle falls). Rank r starts at stage ``degree * r / cp`` and
+    wraps around: keys many ranks need (a long document's first chunks) then leave their owner spread
+    over the stages instead of all in stage 0."""
     if degree <= 1 or len(dst) == 0:
         return np.zeros(len(dst), np.int64)
     order = np.lexsort((start, dst))
@@ -71,7 +73,8 @@ def assign_stages(dst: np.ndarray, start: np.ndarray, tokens: np.ndarray, cp: in
     total = np.bincount(d, weights=tok, minlength=cp)
     before = np.cumsum(tok) - tok
     before -= before[np.searchsorted(d, d, side="left")]      # keys of the same rank placed before
-    stage = np.minimum(degree - 1, np.floor(degree * (before + tok / 2) / total[d]).astype(np.int64))
+    frac = ((before + tok / 2) / total[d] + d / cp) % 1.0
+    stage = np.minimum(degree - 1, np.floor(degree * frac).astype(np.int64))
     out = np.empty(len(dst), np.int64)
     out[order] = stage
     return out
