@@ -73,16 +73,25 @@ void MakeLogits(const Params& p, const Slice& s, int64_t r0, int64_t m, int64_t 
   }
 }
 
-// Per-worker scratch, sized once per call.
+// Per-worker scratch, sized once per call. Tiles are float; sums across tiles are double, so that the
+// CPU kernel is at least as accurate as naive attention in float32 (the tolerance rule's yardstick).
 struct Scratch {
-  std::vector<float> q, kt, k, v, vt, s, dp, acc, dout, m, l, delta, lse;
+  std::vector<float> q, kt, k, v, vt, s, dp, tile, dout, m, delta, lse;
+  std::vector<double> acc, l;
   explicit Scratch(int64_t d) {
-    for (auto* buf : {&q, &dout, &acc, &kt, &k, &v, &vt}) buf->resize(std::max(kBlockQ, kBlockK) * d);
+    for (auto* buf : {&q, &dout, &tile, &kt, &k, &v, &vt}) buf->resize(std::max(kBlockQ, kBlockK) * d);
+    acc.resize(std::max(kBlockQ, kBlockK) * d);
     s.resize(kBlockQ * kBlockK);
     dp.resize(kBlockQ * kBlockK);
-    for (auto* buf : {&m, &l, &delta, &lse}) buf->resize(std::max(kBlockQ, kBlockK));
+    for (auto* buf : {&m, &delta, &lse}) buf->resize(std::max(kBlockQ, kBlockK));
+    l.resize(std::max(kBlockQ, kBlockK));
   }
 };
+
+// acc[i] += tile[i] for n elements (float tile into a double accumulator).
+inline void AddTile(const float* tile, double* acc, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += tile[i];
+}
 
 // Slice s restricted to rows [rb, re): the span of keys they attend, [*kb, *ke).
 // Bounds are monotone in the row, so the first row gives the lowest key and the last row the highest.
@@ -124,9 +133,9 @@ void Forward(const Params& p, const T* q, const T* k, const T* v, T* out, float*
     const int64_t qb = task / hq, h = task % hq, r0 = qb * kBlockQ, r1 = std::min(tq, r0 + kBlockQ);
     const int64_t m = r1 - r0;
     LoadRows(q, hq, d, h, r0, r1, w.q.data());
-    std::fill(w.acc.begin(), w.acc.begin() + m * d, 0.0f);
+    std::fill(w.acc.begin(), w.acc.begin() + m * d, 0.0);
     std::fill(w.m.begin(), w.m.begin() + m, kNegInf);
-    std::fill(w.l.begin(), w.l.begin() + m, 0.0f);
+    std::fill(w.l.begin(), w.l.begin() + m, 0.0);
     for (int64_t x = lists.offsets[qb]; x < lists.offsets[qb + 1]; ++x) {
       const Slice& s = p.slices[lists.ids[x]];
       const int64_t rb = std::max(r0, s.qs), re = std::min(r1, s.qe);
@@ -148,22 +157,23 @@ void Forward(const Params& p, const T* q, const T* k, const T* v, T* out, float*
             std::fill(row, row + nc, 0.0f);
             continue;
           }
-          const float alpha = std::exp(w.m[ri] - m_new);
-          float sum = 0.0f;
+          const double alpha = std::exp(double(w.m[ri]) - m_new);
+          double sum = 0.0;
           for (int64_t j = 0; j < nc; ++j) sum += (row[j] = std::exp(row[j] - m_new));
           w.l[ri] = w.l[ri] * alpha + sum;
           w.m[ri] = m_new;
           for (int64_t j = 0; j < d; ++j) w.acc[ri * d + j] *= alpha;
         }
-        MatMul(w.s.data(), w.v.data(), w.acc.data() + (rb - r0) * d, int(mr), int(nc), int(d), true);
+        MatMul(w.s.data(), w.v.data(), w.tile.data(), int(mr), int(nc), int(d), false);
+        AddTile(w.tile.data(), w.acc.data() + (rb - r0) * d, mr * d);
       }
     }
     for (int64_t i = 0; i < m; ++i) {
-      const bool empty = w.l[i] == 0.0f;
-      const float inv = empty ? 0.0f : 1.0f / w.l[i];
+      const bool empty = w.l[i] == 0.0;
+      const double inv = empty ? 0.0 : 1.0 / w.l[i];
       T* o = out + ((r0 + i) * hq + h) * d;
-      for (int64_t j = 0; j < d; ++j) o[j] = FromFloat<T>(w.acc[i * d + j] * inv);
-      lse[(r0 + i) * hq + h] = empty ? kNegInf : w.m[i] + std::log(w.l[i]);
+      for (int64_t j = 0; j < d; ++j) o[j] = FromFloat<T>(float(w.acc[i * d + j] * inv));
+      lse[(r0 + i) * hq + h] = empty ? kNegInf : float(w.m[i] + std::log(w.l[i]));
     }
   });
 }
@@ -203,10 +213,10 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
   std::vector<float> delta(tq * hq);
   ParallelFor(hq, [&](int64_t h, int) {
     for (int64_t r = 0; r < tq; ++r) {
-      float acc = 0.0f;
+      double acc = 0.0;
       for (int64_t j = 0; j < d; ++j)
-        acc += ToFloat(dout[(r * hq + h) * d + j]) * ToFloat(out[(r * hq + h) * d + j]);
-      delta[r * hq + h] = acc - dlse[r * hq + h];
+        acc += double(ToFloat(dout[(r * hq + h) * d + j])) * ToFloat(out[(r * hq + h) * d + j]);
+      delta[r * hq + h] = float(acc - dlse[r * hq + h]);
     }
   });
   auto row_stats = [&](Scratch& w, int64_t h, int64_t b, int64_t e) {
@@ -223,7 +233,7 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
   ParallelFor(nqb * hq, [&](int64_t task, int worker) {
     Scratch& w = scratch[worker];
     const int64_t qb = task / hq, h = task % hq, r0 = qb * kBlockQ, r1 = std::min(tq, r0 + kBlockQ);
-    std::fill(w.acc.begin(), w.acc.begin() + (r1 - r0) * d, 0.0f);
+    std::fill(w.acc.begin(), w.acc.begin() + (r1 - r0) * d, 0.0);
     for (int64_t x = qlists.offsets[qb]; x < qlists.offsets[qb + 1]; ++x) {
       const Slice& s = p.slices[qlists.ids[x]];
       const int64_t rb = std::max(r0, s.qs), re = std::min(r1, s.qe), mr = re - rb;
@@ -241,11 +251,12 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
         MatMul(w.q.data(), w.kt.data(), w.s.data(), int(mr), int(d), int(nc), false);
         MatMul(w.dout.data(), w.vt.data(), w.dp.data(), int(mr), int(d), int(nc), false);
         TileGradients(p, s, rb, mr, c0, nc, w.lse.data(), w.delta.data(), w.s.data(), w.dp.data());
-        MatMul(w.dp.data(), w.k.data(), w.acc.data() + (rb - r0) * d, int(mr), int(nc), int(d), true);
+        MatMul(w.dp.data(), w.k.data(), w.tile.data(), int(mr), int(nc), int(d), false);
+        AddTile(w.tile.data(), w.acc.data() + (rb - r0) * d, mr * d);
       }
     }
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t j = 0; j < d; ++j) dq[(r * hq + h) * d + j] = FromFloat<T>(w.acc[(r - r0) * d + j]);
+      for (int64_t j = 0; j < d; ++j) dq[(r * hq + h) * d + j] = FromFloat<T>(float(w.acc[(r - r0) * d + j]));
   });
 
   // dk, dv: one task per (k block, kv head), over every q head of its group, so each task owns its rows
@@ -257,7 +268,7 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
     Scratch& w = kscratch[worker];
     const int64_t kblk = task / hkv, hk = task % hkv, c0 = kblk * kBlockK, c1 = std::min(tk, c0 + kBlockK);
     const int64_t nc = c1 - c0;
-    std::vector<float> dk_acc(nc * d, 0.0f), dv_acc(nc * d, 0.0f);
+    std::vector<double> dk_acc(nc * d, 0.0), dv_acc(nc * d, 0.0);
     std::vector<float> pt(kBlockQ * kBlockK), dst(kBlockQ * kBlockK);
     for (int64_t x = klists.offsets[kblk]; x < klists.offsets[kblk + 1]; ++x) {
       const Slice& s = p.slices[klists.ids[x]];
@@ -281,15 +292,17 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
               pt[j * mr + i] = w.s[i * mc + j];
               dst[j * mr + i] = w.dp[i * mc + j];
             }
-          MatMul(pt.data(), w.dout.data(), dv_acc.data() + (cb - c0) * d, int(mc), int(mr), int(d), true);
-          MatMul(dst.data(), w.q.data(), dk_acc.data() + (cb - c0) * d, int(mc), int(mr), int(d), true);
+          MatMul(pt.data(), w.dout.data(), w.tile.data(), int(mc), int(mr), int(d), false);
+          AddTile(w.tile.data(), dv_acc.data() + (cb - c0) * d, mc * d);
+          MatMul(dst.data(), w.q.data(), w.tile.data(), int(mc), int(mr), int(d), false);
+          AddTile(w.tile.data(), dk_acc.data() + (cb - c0) * d, mc * d);
         }
       }
     }
     for (int64_t c = c0; c < c1; ++c)
       for (int64_t j = 0; j < d; ++j) {
-        dk[(c * hkv + hk) * d + j] = FromFloat<T>(dk_acc[(c - c0) * d + j]);
-        dv[(c * hkv + hk) * d + j] = FromFloat<T>(dv_acc[(c - c0) * d + j]);
+        dk[(c * hkv + hk) * d + j] = FromFloat<T>(float(dk_acc[(c - c0) * d + j]));
+        dv[(c * hkv + hk) * d + j] = FromFloat<T>(float(dv_acc[(c - c0) * d + j]));
       }
   });
 }

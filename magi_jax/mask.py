@@ -42,8 +42,8 @@ def _as_type_code(t: object) -> int:
 
 def _as_ranges(name: str, ranges: object, total: int) -> np.ndarray:
     arr = np.asarray(ranges)
-    if arr.size == 0:
-        arr = arr.reshape(0, 2)
+    if arr.size == 0:  # an empty list has no integer dtype of its own
+        arr = arr.reshape(0, 2).astype(np.int64)
     if arr.ndim != 2 or arr.shape[1] != 2:
         raise ValueError(f"{name}: expected shape [N, 2], got {arr.shape}")
     if not np.issubdtype(arr.dtype, np.integer):

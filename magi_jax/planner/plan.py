@@ -54,7 +54,7 @@ class Stage:
         return self.transfers.buffer_len
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlanStats:
     """Per-rank numbers of a plan (arrays over ranks r, or stages i x ranks r) and its predicted time."""
 
@@ -112,20 +112,20 @@ class DistAttnPlan:
     of its rows, each cell as many times as the mask counts it. With ``overlap_degree == 0`` there is one
     stage, meant to run fused with the host slices (``fused_slices``).
 
-    Worked example: ``varlen_mask([6, 2])`` (two causal documents, 8 tokens), cp=2, chunk_size=2, solver
-    "minheap". Chunk areas are [3, 7, 11, 3] (chunk 2 = rows 4, 5 of document 0; chunk 3 = document 1), so
-    rank 0 gets chunks (0, 2) (area 14) and rank 1 chunks (1, 3) (area 10). ``dispatch_perm`` is
-    ``[0 1 4 5 | 2 3 6 7]``. Rank 0's rows 2, 3 (global 4, 5) need keys 0..5; it owns 0, 1 (local 0, 1) and
-    4, 5 (local 2, 3), and fetches 2, 3 from rank 1 (rank 1's local 0, 1). With one stage:
+    Worked example: ``varlen_mask([6, 2])`` (two causal documents, 8 tokens), cp=2, chunk_size=2,
+    solver="minheap", overlap=1. Chunk areas are [3, 7, 11, 3] (chunk 2 = rows 4, 5 of document 0, chunk 3
+    = document 1), so rank 0 gets chunks (2, 3) (area 14) and rank 1 chunks (0, 1) (area 10)::
 
-        host q_ranges[0] = [[0, 2], [2, 4], [2, 4]]   k_ranges[0] = [[0, 2], [0, 2], [2, 4]]
-             types[0]    = [CAUSAL, FULL, CAUSAL]
-        host q_ranges[1] = [[0, 2], [2, 4]]  k_ranges[1] = [[0, 2], [2, 4]]  types[1] = [FULL, CAUSAL]
-             (rank 1's rows 0, 1 are global 2, 3: they see local keys 0, 1 = global 2, 3 fully ... and keys
-              0, 1 of rank 0 remotely; padded with one empty slice)
-        stage 0 transfers: src 1 -> dst 0 local [0, 2) -> buffer [0, 2); src 0 -> dst 1 local [0, 2) ->
-             buffer [0, 2); buffer_len 2
-        stage 0 slices, rank 0: q [[2, 4]] k [[0, 2]] FULL; rank 1: q [[0, 2]] k [[0, 2]] FULL
+        dispatch_perm = [4 5 6 7 | 0 1 2 3]          local_len 4, no padding
+
+        rank 0: local rows 0, 1 = global 4, 5 (document 0, keys 0..5); rows 2, 3 = global 6, 7 (document 1).
+                It owns keys 4..7 (local 0..3) and fetches keys 0..3 (rank 1's local 0..3).
+        host   q_ranges[0] = [[0, 2], [2, 4]]   k_ranges[0] = [[0, 2], [2, 4]]   types[0] = [CAUSAL, CAUSAL]
+        host   q_ranges[1] = [[0, 4]]           k_ranges[1] = [[0, 4]]           types[1] = [CAUSAL]
+               (padded: row 1 also holds one empty slice q [0, 0), k [0, 0))
+        stage 0 transfers: src 1 -> dst 0, src local [0, 4) -> receive buffer [0, 4); buffer_len 4
+        stage 0 q_ranges[0] = [[0, 2]]   k_ranges[0] = [[0, 4]]   types[0] = [FULL]
+               (rank 1 receives nothing and has one empty slice)
 
     (``tests/test_planner_plan.py`` checks this example.)
     """
@@ -135,7 +135,7 @@ class DistAttnPlan:
     axis: str
     chunk_size: int
     solver: str
-    overlap_degree: int
+    overlap_degree: int           # stages asked for or chosen (0: fetch all, one fused call); >= num_stages
     num_heads_q: int
     num_heads_kv: int
     head_dim: int

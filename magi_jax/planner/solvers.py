@@ -157,7 +157,11 @@ def affinity_greedy(table: ChunkTable, cp: int, key_cost: float, imbalance_cap: 
 
 
 class _SwapSearch:
-    """State of the comm-aware local search (see ``comm_aware``)."""
+    """State of the comm-aware local search (see ``comm_aware``).
+
+    Areas and key counts are integers held exactly in float64, so sums do not depend on their order and
+    every host of a multi-host job computes the same plan.
+    """
 
     def __init__(self, table: ChunkTable, cp: int, cell_cost: float, key_cost: float,
                  imbalance_cap: float, start: Partition, min_gain: float = 0.0):

@@ -1,0 +1,191 @@
+"""flex_flash_attn through the custom calls on the default backend (CPU in CI), against float64."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from jax.sharding import Mesh, PartitionSpec as P
+
+import magi_jax as mj
+from magi_jax import masks
+from magi_jax.mask import AttnMask
+from tests.conftest import check_against_reference, random_qkv
+
+
+def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hkv, d, dtype)
+    fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, **kwargs)
+    check_against_reference(fn, mask, q, k, v, rng, kwargs.get("softmax_scale"), kwargs.get("softcap", 0.0))
+
+
+@pytest.mark.parametrize("mask_type", ["full", "causal", "inv_causal", "bi_causal"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_each_type_alone(mask_type, dtype):
+    mask = AttnMask([[5, 150]], [[20, 200]], [mask_type], 160, 210)
+    run_case(mask, dtype=dtype)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_mixed_types_and_overlapping_q_ranges(d):
+    mask = AttnMask([[0, 100], [40, 180], [60, 70], [150, 200], [0, 200]],
+                    [[0, 130], [10, 200], [0, 50], [100, 160], [90, 95]], [0, 1, 2, 3, 1], 200, 200)
+    run_case(mask, d=d, seed=d)
+
+
+@pytest.mark.parametrize("tq, tk", [(77, 300), (300, 77)])
+def test_tq_differs_from_tk(tq, tk):
+    mask = AttnMask([[0, tq], [tq // 3, tq]], [[0, tk], [0, tk // 2]], [1, 3], tq, tk)
+    run_case(mask)
+
+
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (32, 4), (8, 1)])
+def test_gqa_and_mqa(hq, hkv):
+    run_case(masks.varlen_causal([40, 90, 30]), hq=hq, hkv=hkv)
+
+
+def test_softcap_and_scale():
+    run_case(masks.sliding_window([70, 100], 30), softcap=3.0, softmax_scale=0.3)
+
+
+def test_rows_with_no_key():
+    # Rows 0-9 and 60-79 are covered by no slice; the causal slice with Lk < Lq leaves its top rows empty.
+    mask = AttnMask([[10, 60], [80, 120]], [[0, 50], [100, 110]], [0, 1], 120, 120)
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 120, 120, 2, 2, 64)
+    (out, lse), vjp = jax.vjp(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask), q, k, v)
+    empty = mask.to_dense().sum(1) == 0
+    assert empty.sum() == 10 + 20 + 30
+    np.testing.assert_array_equal(np.asarray(out)[empty], 0.0)
+    assert np.isneginf(np.asarray(lse)[empty]).all() and np.isfinite(np.asarray(lse)[~empty]).all()
+    dq, dk, dv = vjp((jnp.ones_like(out) * 0.5 + out, jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)))
+    assert all(np.isfinite(np.asarray(g)).all() for g in (dq, dk, dv))
+    np.testing.assert_array_equal(np.asarray(dq)[empty], 0.0)
+    unattended = mask.to_dense().sum(0) == 0
+    np.testing.assert_array_equal(np.asarray(dk)[unattended], 0.0)
+    check_against_reference(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask), mask, q, k, v, rng)
+
+
+def test_empty_mask():
+    mask = AttnMask(np.zeros((0, 2), int), np.zeros((0, 2), int), [], 64, 64)
+    run_case(mask)
+
+
+@st.composite
+def random_masks(draw):
+    # A few fixed shapes keep the compiled references cached; the masks themselves vary freely.
+    tq, tk = draw(st.sampled_from([(160, 160), (96, 192), (192, 64)]))
+    n = draw(st.integers(1, 50))
+    ranges = lambda total: sorted((draw(st.integers(0, total)), draw(st.integers(0, total))))
+    return AttnMask([ranges(tq) for _ in range(n)], [ranges(tk) for _ in range(n)],
+                    [draw(st.integers(0, 3)) for _ in range(n)], tq, tk)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(random_masks(), st.sampled_from([(2, 2), (4, 1)]))
+
+def test_random_masks(mask, heads):
+    run_case(mask, hq=heads[0], hkv=heads[1], seed=mask.num_slices)
+
+
+def test_jit_grad_and_no_recompile_for_a_new_mask():
+    n = 3
+    a = AttnMask([[0, 50], [50, 128], [20, 90]], [[0, 50], [0, 128], [40, 60]], [1, 1, 0], 128, 128)
+    b = AttnMask([[0, 128], [10, 20], [30, 31]], [[0, 100], [5, 128], [0, 128]], [3, 2, 1], 128, 128)
+    assert a.num_slices == b.num_slices == n
+
+    @jax.jit
+    def loss(q, k, v, qr, kr, types):
+        out, lse = mj.flex_flash_attn(q, k, v, qr, kr, types)
+        return jnp.sum(out * out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 128, 128, 2, 2, 64)
+    for mask in (a, b):
+        args = tuple(jnp.asarray(x) for x in mask.kernel_args())
+        value = loss(q, k, v, *args)
+        grads = grad(q, k, v, *args)
+        want = mj.flex_flash_attn(q, k, v, mask=mask)
+        np.testing.assert_allclose(value, jnp.sum(want[0] ** 2) + jnp.sum(
+            jnp.where(jnp.isfinite(want[1]), want[1], 0.0)), rtol=1e-5)
+        assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+    assert loss._cache_size() == 1 and grad._cache_size() == 1
+
+
+def test_inside_shard_map_over_heads():
+    devices = np.array(jax.devices()[:4])
+    mesh = Mesh(devices, ("tp",))
+    mask = masks.varlen_causal([100, 28])
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 128, 128, 8, 4, 64)
+    qr, kr, types = mask.kernel_args()
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(None, "tp"),) * 3, out_specs=(P(None, "tp"),) * 2)
+    def sharded(q, k, v):
+        return mj.flex_flash_attn(q, k, v, qr, kr, types)
+
+    out, lse = sharded(q, k, v)
+    want_out, want_lse = mj.flex_flash_attn(q, k, v, mask=mask)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
+
+
+def test_deterministic_backward_is_bitwise_repeatable():
+    mask = masks.shared_question([(40, [30, 50]), (20, [60])])
+    rng = np.random.default_rng(2)
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 4, 2, 64, jnp.bfloat16)
+    f = jax.jit(jax.grad(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, deterministic=True)[0]
+                         .astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    first, second = f(q, k, v), f(q, k, v)
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+
+
+def _qkv(tq=16, tk=16, hq=2, hkv=2, d=64, dtype=jnp.float32):
+    rng = np.random.default_rng(0)
+    return tuple(jnp.asarray(rng.standard_normal(shape)).astype(dtype)
+                 for shape in ((tq, hq, d), (tk, hkv, d), (tk, hkv, d)))
+
+
+OK_RANGES = dict(q_ranges=np.array([[0, 16]]), k_ranges=np.array([[0, 16]]), attn_type_map=np.array([1]))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: (*_qkv()[:2], _qkv()[2][:, :, :32]), r"^v: shape"),
+    (lambda: (_qkv()[0][0], *_qkv()[1:]), r"^q: expected \[tokens"),
+    (lambda: (_qkv()[0], _qkv()[1].astype(jnp.bfloat16), _qkv()[2]), r"^k: dtype"),
+    (lambda: _qkv(d=48), r"^q: head_dim 48 unsupported"),
+    (lambda: _qkv(hq=3, hkv=2), r"^k: 2 kv heads do not divide 3"),
+    (lambda: _qkv(dtype=jnp.int32), r"^q: dtype int32 unsupported"),
+])
+def test_bad_tensors_name_the_argument(make, match):
+    with pytest.raises(ValueError, match=match):
+        mj.flex_flash_attn(*make(), **OK_RANGES)
+
+
+@pytest.mark.parametrize("ranges, match", [
+    (dict(OK_RANGES, q_ranges=np.array([[0, 17]])), r"q_ranges\[0\].*out of bounds"),
+    (dict(OK_RANGES, k_ranges=np.array([[9, 3]])), r"k_ranges\[0\].*reversed"),
+    (dict(OK_RANGES, attn_type_map=np.array([4])), r"types.*unknown"),
+    (dict(OK_RANGES, attn_type_map=np.array([1, 1])), r"different lengths"),
+    (dict(OK_RANGES, q_ranges=np.array([0, 16])), r"^q_ranges: expected shape \[N, 2\]"),
+    (dict(OK_RANGES, k_ranges=np.array([[0.0, 16.0]])), r"^k_ranges: expected an integer"),
+    (dict(q_ranges=None, k_ranges=None, attn_type_map=None), r"all required"),
+])
+def test_bad_ranges_name_the_argument(ranges, match):
+    with pytest.raises(ValueError, match=match):
+        mj.flex_flash_attn(*_qkv(), **ranges)
+
+
+def test_bad_mask_argument():
+    with pytest.raises(ValueError, match="^q: has 16 tokens but the mask expects 20"):
+        mj.flex_flash_attn(*_qkv(), mask=masks.causal(20, 16))
+    with pytest.raises(ValueError, match="^mask: give either"):
+        mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), **OK_RANGES)
+    with pytest.raises(ValueError, match="^softcap"):
+        mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), softcap=-1.0)
