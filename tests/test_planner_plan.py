@@ -153,6 +153,7 @@ def test_worked_example_of_the_docstring():
     assert (q.tolist(), k.tolist(), t.tolist()) == ([[0, 2], [2, 4]], [[0, 2], [2, 4]], [1, 1])
     q, k, t = plan.host.of_rank(1)
     assert (q.tolist(), k.tolist(), t.tolist()) == ([[0, 4]], [[0, 4]], [1])
+    assert plan.host.q_ranges.shape == (2, 2, 2) and plan.host.q_ranges[1, 1].tolist() == [0, 0]
     (stage,) = plan.stages
     tr = stage.transfers
     assert (tr.src.tolist(), tr.dst.tolist(), tr.src_start.tolist(), tr.src_end.tolist(),
