@@ -44,3 +44,10 @@ def test_simulate_small(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "comm_aware" in out and "all-gather" in out
     assert "Planner simulation" in md.read_text()
+
+
+@pytest.mark.parametrize("mask", ["sliding_window", "block_causal", "shared_question", "prefix_lm",
+                                  "global_sliding_window", "causal_blockwise", "sliding_window_bidirectional"])
+def test_plan_mask_families(mask, capsys):
+    assert plan_main(["--mask", mask, "--seqlen", "16k", "--cp", "4", "--window", "512", "--block", "1k"]) == 0
+    assert "total area" in capsys.readouterr().out

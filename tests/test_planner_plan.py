@@ -244,3 +244,27 @@ def test_planner_does_not_import_jax():
             "print(sorted(k for k in sys.modules if k.split('.')[0] in ('jax', 'jaxlib')))") % str(pkg)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def _families():
+    from magi_jax import masks
+    docs = [37, 5, 60, 1, 12, 90, 3, 48]                        # 256 tokens
+    return {
+        "full": masks.full(96), "causal": masks.causal(128), "varlen_full": masks.varlen_full(docs),
+        "varlen_causal": masks.varlen_causal(docs), "sliding_window": masks.sliding_window(docs, 9),
+        "sliding_window_bi": masks.sliding_window(docs, 7, causal=False),
+        "block_causal": masks.block_causal(docs, 16),
+        "shared_question": masks.shared_question([(20, [30, 14, 9]), (40, [50, 13]), (64, [16])]),
+        "prefix_lm": masks.prefix_lm(docs, [n // 2 for n in docs]),
+        "global_sliding_window": masks.global_sliding_window(docs, 8, 4),
+        "causal_blockwise": masks.causal_blockwise(docs),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_families()))
+@pytest.mark.parametrize("solver", ["comm_aware", "minheap"])
+def test_coverage_mask_families(name, solver):
+    mask = _families()[name]
+    plan = make_plan(mask, cp=4, chunk_size=4, solver=solver, overlap="auto")
+    check_coverage(plan)
+    assert plan.stats().area.sum() == mask.area()

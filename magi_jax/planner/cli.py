@@ -31,20 +31,46 @@ def parse_tokens(text: str) -> int:
     return int(value)
 
 
-def build_mask(name: str, seqlen: int, seed: int) -> AttnMask:
-    """Masks by name: full / causal (one document), varlen_full / varlen_causal (documents drawn from the
-    reference histogram), or any ``magi_jax.masks`` constructor that takes the document lengths."""
-    if name in ("full", "causal"):
-        return varlen_mask([seqlen], causal=name == "causal")
+MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window", "sliding_window_bidirectional",
+         "block_causal", "shared_question", "prefix_lm", "global_sliding_window", "causal_blockwise")
+
+
+def build_mask(name: str, seqlen: int, seed: int, window: int = 1024, block: int = 2048,
+               num_global: int = 64) -> AttnMask:
+    """A mask of one of ``MASKS`` over ``seqlen`` tokens; the varlen families use documents drawn from the
+    reference histogram (``sample_doc_lengths(seqlen, seed)``). shared_question: each document is a question
+    (its first quarter) and up to three answers; prefix_lm: each document's first half is the prefix."""
+    from magi_jax import masks      # the constructor layer (imported here: the planner itself needs none)
+    if name == "full":
+        return masks.full(seqlen)
+    if name == "causal":
+        return masks.causal(seqlen)
     lengths = sample_doc_lengths(seqlen, seed)
-    if name in ("varlen_full", "varlen_causal"):
-        return varlen_mask(lengths, causal=name == "varlen_causal")
-    from magi_jax import masks
-    ctor = getattr(masks, name, None)
-    if not callable(ctor):
-        raise SystemExit(f"plan: unknown mask {name!r}; use full, causal, varlen_full, varlen_causal or a "
-                         "magi_jax.masks constructor taking document lengths")
-    return ctor(lengths)
+    if name == "shared_question":
+        samples: list[tuple[int, list[int]]] = []
+        for n in lengths:
+            if n < 2:                        # too short to split: lengthen the previous answer
+                if not samples:
+                    return masks.causal(seqlen)
+                samples[-1][1][-1] += n
+                continue
+            q = max(1, n // 4)
+            k = min(3, n - q)
+            samples.append((q, [(n - q) // k + (i < (n - q) % k) for i in range(k)]))
+        return masks.shared_question(samples)
+    ctors = {
+        "varlen_full": lambda: masks.varlen_full(lengths),
+        "varlen_causal": lambda: masks.varlen_causal(lengths),
+        "sliding_window": lambda: masks.sliding_window(lengths, window),
+        "sliding_window_bidirectional": lambda: masks.sliding_window(lengths, window, causal=False),
+        "block_causal": lambda: masks.block_causal(lengths, block),
+        "prefix_lm": lambda: masks.prefix_lm(lengths, [n // 2 for n in lengths]),
+        "global_sliding_window": lambda: masks.global_sliding_window(lengths, window, num_global),
+        "causal_blockwise": lambda: masks.causal_blockwise(lengths),
+    }
+    if name not in ctors:
+        raise SystemExit(f"plan: unknown mask {name!r}; expected one of {', '.join(MASKS)}")
+    return ctors[name]()
 
 
 def _overlap(text: str) -> int | str:
@@ -66,7 +92,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 def plan_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m magi_jax plan",
                                 description="Plan distributed attention for a mask and print the per-rank table.")
-    p.add_argument("--mask", default="varlen_causal")
+    p.add_argument("--mask", default="varlen_causal", choices=MASKS)
+    p.add_argument("--window", type=parse_tokens, default=1024, help="sliding-window masks")
+    p.add_argument("--block", type=parse_tokens, default=2048, help="block_causal")
+    p.add_argument("--num-global", type=int, default=64, help="global_sliding_window")
     p.add_argument("--seqlen", type=parse_tokens, default=parse_tokens("64k"))
     p.add_argument("--cp", type=int, default=8)
     p.add_argument("--chunk", type=int, default=None)
@@ -77,7 +106,7 @@ def plan_main(argv: Sequence[str]) -> int:
                    "(default: the one fetching most)")
     _common(p)
     a = p.parse_args(list(argv))
-    mask = build_mask(a.mask, a.seqlen, a.seed)
+    mask = build_mask(a.mask, a.seqlen, a.seed, a.window, a.block, a.num_global)
     t0 = time.perf_counter()
     try:
         plan = make_plan(mask, cp=a.cp, chunk_size=a.chunk, solver=a.solver, overlap=a.overlap,
