@@ -13,7 +13,7 @@ echo "build: $(( $(date +%s) - t0 )) s"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   t0=$(date +%s)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -rfE -n "${TEST_WORKERS:-4}" \
-    -p no:cacheprovider --timeout 240 -s tests/test_ffa_gpu.py ${TESTS:-} > "$OUT/tests.log" 2>&1
+    -p no:cacheprovider --timeout 240 --durations=12 -s tests/test_ffa_gpu.py ${TESTS:-} > "$OUT/tests.log" 2>&1
   echo "tests: rc $? in $(( $(date +%s) - t0 )) s"
   grep -E "peak GPU memory|passed|failed" "$OUT/tests.log" | tail -5
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40

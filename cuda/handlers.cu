@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -49,6 +50,13 @@ class Carver {
  public:
   static constexpr size_t kAlign = 256;
   static size_t Round(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+  // XLA's scratch allocator accepts alignments up to 16 bytes: ask for kAlign more and align here.
+  static std::optional<Carver> Allocate(ffi::ScratchAllocator& scratch, size_t bytes) {
+    auto mem = scratch.Allocate(bytes + kAlign, 16);
+    if (!mem.has_value()) return std::nullopt;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(*mem);
+    return Carver(reinterpret_cast<void*>((p + kAlign - 1) / kAlign * kAlign));
+  }
   explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
   template <typename T>
   T* Take(size_t count) {
@@ -108,9 +116,10 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
   const ListSizes q_sizes = SizeLists(dims->tq, kQBlock, dims->num_slices);
-  auto mem = scratch.Allocate(q_sizes.Bytes(), Carver::kAlign);
-  if (!mem.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch for slice lists");
-  Carver carver(*mem);
+  auto carver_or = Carver::Allocate(scratch, q_sizes.Bytes());
+  if (!carver_or.has_value())
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the slice lists");
+  Carver& carver = *carver_or;
   int64_t* offsets;
   int32_t* ids;
   FwdParams p{};
@@ -159,9 +168,10 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const size_t accum_elems = deterministic ? 0 : size_t(rows) * size_t(dims->d);
   const size_t bytes = Carver::Round(rows * 4) + k_sizes.Bytes() + (deterministic ? q_sizes.Bytes() : 0) +
                        Carver::Round(accum_elems * 4);
-  auto mem = scratch.Allocate(bytes, Carver::kAlign);
-  if (!mem.has_value()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch for the backward");
-  Carver carver(*mem);
+  auto carver_or = Carver::Allocate(scratch, bytes);
+  if (!carver_or.has_value())
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the backward");
+  Carver& carver = *carver_or;
 
   BwdParams p{};
   p.q = q.untyped_data();

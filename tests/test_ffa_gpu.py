@@ -232,9 +232,9 @@ def test_one_million_tokens_varlen_causal_forward_backward():
     for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
         assert bool(jnp.isfinite(x.astype(jnp.float32)).all()), f"{name}: not finite"
     assert bool(jnp.isfinite(lse).all())
-    # Documents are independent: check the last one of 512 to 4096 tokens (a billion elements into the
-    # tensors) against float64.
-    i = max(j for j, n in enumerate(lens) if 512 <= n <= 4096)
+    # Documents are independent: check the last one of 512 to 1024 tokens (a billion elements into the
+    # tensors) against float64 (numpy's einsum makes larger ones slow).
+    i = max(j for j, n in enumerate(lens) if 512 <= n <= 1024)
     s, n = sum(lens[:i]), lens[i]
     sub = masks.varlen_causal([n])
     part = lambda x: x[s:s + n]
