@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from magi_jax.mask import AttnMask
-from magi_jax.planner import CostModel, DistAttnPlan, make_plan
+from magi_jax.planner import CostModel, make_plan
 from magi_jax.planner.plan import default_chunk_size
 
 from tests.test_planner_helpers import check_coverage, random_masks, varlen_causal
@@ -174,6 +174,9 @@ def test_hashable_equal_and_cached():
     assert len({a, b, c}) == 2
     with pytest.raises(Exception):
         a.cp = 3
+    arrays = [a.dispatch_perm, a.undispatch_perm, a.host.q_ranges, a.host.types, a.stats().area]
+    arrays += [x for s in a.stages for x in (s.slices.k_ranges, s.transfers.src_start, s.transfers.pair_tokens)]
+    assert not any(x.flags.writeable for x in arrays)
 
 
 def test_stats():

@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 from magi_jax.mask import AttnMask, slice_areas
-from magi_jax.planner.chunks import ChunkTable, chunk_table
+from magi_jax.planner.chunks import chunk_table
 from magi_jax.planner.slices import (Segments, chunk_runs, cut, needed_keys, pad_slices, rank_slices)
 from magi_jax.planner.solvers import DEFAULT_SOLVER, SOLVERS
 from magi_jax.planner.stages import (MAX_DEGREE, CostModel, StageTiming, assign_stages, stage_timing)
@@ -273,6 +274,99 @@ def make_plan(mask: AttnMask, cp: int, chunk_size: int | None = None, solver: st
                       str(axis))
 
 
+class _Pieces(NamedTuple):
+    """Remote keys: per rank (dst), the needed global keys [start, end) outside its own chunks, one piece per
+    key chunk touched, owned by ``src`` at source-local position ``src_local``."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    src_local: np.ndarray
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.end - self.start
+
+
+def _remote_pieces(rs, owner: np.ndarray, local: np.ndarray, C: int) -> _Pieces:
+    nr, na, nb = needed_keys(rs)
+    first, last = na // C, (nb - 1) // C
+    cnt = last - first + 1
+    i = np.repeat(np.arange(len(nr)), cnt)
+    ch = first[i] + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+    g0, g1 = np.maximum(na[i], ch * C), np.minimum(nb[i], (ch + 1) * C)
+    keep = owner[ch] != nr[i]
+    ch, g0 = ch[keep], g0[keep]
+    return _Pieces(nr[i][keep], owner[ch], g0, g1[keep], local[ch] * C + (g0 - ch * C))
+
+
+def _host_pass(mask: AttnMask, rs, parts, pieces: _Pieces, C: int, cp: int, span: int
+               ) -> tuple[SliceSet, np.ndarray, np.ndarray]:
+    """Host slices (final), host area per rank, and the area each remote piece brings (to size stages)."""
+    runs, _ = chunk_runs(parts)
+    n = len(pieces.dst)
+    segs = Segments.build(np.concatenate([runs.rank, pieces.dst]), np.concatenate([runs.first * C, pieces.start]),
+                          np.concatenate([runs.end * C, pieces.end]),
+                          np.concatenate([runs.local_first * C, np.zeros(n, np.int64)]),
+                          np.concatenate([np.full(len(runs.rank), -1), np.arange(n)]))
+    c = cut(mask, rs, segs, span)
+    area = slice_areas(c.q_ranges, c.k_ranges, c.types)
+    h = c.tag < 0
+    host_area = np.bincount(c.rank[h], weights=area[h], minlength=cp).astype(np.int64)
+    piece_area = np.bincount(c.tag[~h], weights=area[~h], minlength=n).astype(np.int64)
+    host = SliceSet(*pad_slices(c.rank[h], c.q_ranges[h], c.k_ranges[h], c.types[h], cp))
+    return host, host_area, piece_area
+
+
+def _choose_stages(pieces: _Pieces, piece_area: np.ndarray, host_area: np.ndarray, overlap: int | str,
+                   cp: int, cell_s: float, key_s: float, model: CostModel
+                   ) -> tuple[StageTiming, np.ndarray, int]:
+    """(timing, stage of every piece, degree): the degree asked for, or the cost model's best of 0..8."""
+    if len(pieces.dst) == 0:
+        options = [0]
+    else:
+        options = list(range(MAX_DEGREE + 1)) if overlap == "auto" else [int(overlap)]
+    best = None
+    for d in options:
+        st = assign_stages(pieces.dst, pieces.start, pieces.tokens, cp, d)
+        if len(st):                                   # drop stages empty on every rank
+            st = np.unique(st, return_inverse=True)[1].reshape(-1)
+        used = 0 if d == 0 or len(st) == 0 else int(st.max()) + 1
+        tm = stage_timing(used, cp, host_area, pieces.dst, pieces.src, pieces.tokens, piece_area, st,
+                          cell_s, key_s, model)
+        if best is None or tm.total < best[0].total * (1 - 1e-9):
+            best = (tm, st, d)
+    return best
+
+
+def _remote_pass(mask: AttnMask, rs, pieces: _Pieces, stage: np.ndarray, cp: int, span: int
+                 ) -> tuple[Stage, ...]:
+    """Per stage the transfer table, then the remote slices cut against its merged key ranges."""
+    n_stages = int(stage.max()) + 1 if len(stage) else 0
+    tables, segs = [], []
+    for s in range(n_stages):
+        m = stage == s
+        tbl, g0, off = build_transfers(pieces.dst[m], pieces.src[m], pieces.start[m], pieces.end[m],
+                                       pieces.src_local[m], cp)
+        tables.append(tbl)
+        segs.append((tbl.dst, g0, g0 + (tbl.src_end - tbl.src_start), off, np.full(len(g0), s)))
+    if not n_stages:
+        return ()
+    c = cut(mask, rs, Segments.build(*(np.concatenate([sg[k] for sg in segs]) for k in range(5))), span)
+    out = []
+    for s in range(n_stages):
+        m = c.tag == s
+        out.append(Stage(SliceSet(*pad_slices(c.rank[m], c.q_ranges[m], c.k_ranges[m], c.types[m], cp)),
+                         tables[s]))
+    return tuple(out)
+
+
+def _freeze(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        a.setflags(write=False)
+
+
 @functools.lru_cache(maxsize=64)
 def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str, hq: int, hkv: int,
                head_dim: int, model: CostModel, imbalance_cap: float, axis: str) -> DistAttnPlan:
@@ -284,7 +378,6 @@ def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str,
                          f"use chunk_size <= {max(1, T // cp)} or fewer ranks")
     n = math.ceil(T / (C * cp)) * cp
     T_pad, per = n * C, n // cp
-    L = per * C
     table = chunk_table(mask, C, n)
     cell_s, key_s = model.cell_seconds(hq, head_dim), model.key_seconds(hkv, head_dim)
     parts = tuple(np.asarray(p, np.int64) for p in
@@ -303,86 +396,29 @@ def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str,
     undispatch_perm = undispatch[:T].astype(np.int32)
 
     rs = rank_slices(mask, C, parts)
-    runs, _ = chunk_runs(parts)
-    # Remote pieces: each rank's needed keys outside its own chunks, cut at chunk edges.
-    nr, na, nb = needed_keys(rs)
-    first, last = na // C, (nb - 1) // C
-    cnt = last - first + 1
-    i = np.repeat(np.arange(len(nr)), cnt)
-    ch = first[i] + np.arange(cnt.sum()) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-    g0, g1 = np.maximum(na[i], ch * C), np.minimum(nb[i], (ch + 1) * C)
-    remote = owner[ch] != nr[i]
-    p_dst, p_src, p_g0, p_g1, p_ch = nr[i][remote], owner[ch][remote], g0[remote], g1[remote], ch[remote]
-    p_tok = p_g1 - p_g0
-    p_src_local = local[p_ch] * C + (p_g0 - p_ch * C)
-
-    # Pass 1: host slices (final) and the area each remote piece brings (to size the stages).
+    pieces = _remote_pieces(rs, owner, local, C)
     span = T_pad + 1
-    segs = Segments.build(np.concatenate([runs.rank, p_dst]), np.concatenate([runs.first * C, p_g0]),
-                          np.concatenate([runs.end * C, p_g1]),
-                          np.concatenate([runs.local_first * C, np.zeros(len(p_dst), np.int64)]),
-                          np.concatenate([np.full(len(runs.rank), -1), np.arange(len(p_dst))]))
-    c1 = cut(mask, rs, segs, span)
-    a1 = slice_areas(c1.q_ranges, c1.k_ranges, c1.types)
-    is_host = c1.tag < 0
-    host_area = np.bincount(c1.rank[is_host], weights=a1[is_host], minlength=cp).astype(np.int64)
-    p_area = np.bincount(c1.tag[~is_host], weights=a1[~is_host], minlength=len(p_dst)).astype(np.int64)
-    host = SliceSet(*pad_slices(c1.rank[is_host], c1.q_ranges[is_host], c1.k_ranges[is_host],
-                                c1.types[is_host], cp))
+    host, host_area, piece_area = _host_pass(mask, rs, parts, pieces, C, cp, span)
+    timing, stage, degree = _choose_stages(pieces, piece_area, host_area, overlap, cp, cell_s, key_s, model)
+    stages = _remote_pass(mask, rs, pieces, stage, cp, span)
 
-    # Stages: the degree the cost model likes best, or the one asked for.
-    def timing(d: int) -> tuple[StageTiming, np.ndarray]:
-        st = assign_stages(p_dst, p_g0, p_tok, cp, d)
-        if len(st):                                   # drop stages empty on every rank
-            st = np.unique(st, return_inverse=True)[1].reshape(-1)
-        dd = 0 if d == 0 else (int(st.max()) + 1 if len(st) else 0)
-        return stage_timing(dd, cp, host_area, p_dst, p_src, p_tok, p_area, st, cell_s, key_s, model), st
-    if len(p_dst) == 0:
-        degree_options = [0]
-    elif overlap == "auto":
-        degree_options = list(range(0, MAX_DEGREE + 1))
-    else:
-        degree_options = [overlap]
-    best = None
-    for d in degree_options:
-        tm, st = timing(d)
-        if best is None or tm.total < best[0].total * (1 - 1e-9):
-            best = (tm, st, d)
-    tm, p_stage, degree = best
-    n_stages = 0 if len(p_dst) == 0 else int(p_stage.max()) + 1
-
-    # Pass 2: per stage the transfer table, then the remote slices against its merged ranges.
-    stage_tables, seg_parts = [], []
-    for s in range(n_stages):
-        m = p_stage == s
-        tbl, sg0, off = build_transfers(p_dst[m], p_src[m], p_g0[m], p_g1[m], p_src_local[m], cp)
-        stage_tables.append(tbl)
-        seg_parts.append((tbl.dst.astype(np.int64), sg0, sg0 + (tbl.src_end - tbl.src_start), off.astype(np.int64),
-                          np.full(len(sg0), s)))
-    stages: list[Stage] = []
-    stage_area = np.zeros((n_stages, cp), np.int64)
-    if n_stages:
-        segs2 = Segments.build(*(np.concatenate([sp[k] for sp in seg_parts]) for k in range(5)))
-        c2 = cut(mask, rs, segs2, span)
-        for s in range(n_stages):
-            m = c2.tag == s
-            ss = SliceSet(*pad_slices(c2.rank[m], c2.q_ranges[m], c2.k_ranges[m], c2.types[m], cp))
-            stage_area[s] = ss.areas()
-            stages.append(Stage(ss, stage_tables[s]))
-
-    remote_keys = np.bincount(p_dst, weights=p_tok, minlength=cp).astype(np.int64)
-    sent_keys = np.bincount(p_src, weights=p_tok, minlength=cp).astype(np.int64)
+    stage_area = np.array([s.slices.areas() for s in stages], np.int64).reshape(len(stages), cp)
     area = host_area + stage_area.sum(axis=0)
-    stats = PlanStats(area=area, host_area=host_area, stage_area=stage_area, remote_keys=remote_keys,
-                      sent_keys=sent_keys, buffer_lens=tuple(t.buffer_len for t in stage_tables),
+    stats = PlanStats(area=area, host_area=host_area, stage_area=stage_area,
+                      remote_keys=np.bincount(pieces.dst, weights=pieces.tokens, minlength=cp).astype(np.int64),
+                      sent_keys=np.bincount(pieces.src, weights=pieces.tokens, minlength=cp).astype(np.int64),
+                      buffer_lens=tuple(s.buffer_len for s in stages),
                       imbalance=float(area.max() / max(area.mean(), 1e-300)),
-                      predicted_time_s=tm.total, rank_time_s=tm.per_rank, stage_comm_s=tm.comm,
+                      predicted_time_s=timing.total, rank_time_s=timing.per_rank, stage_comm_s=timing.comm,
                       flops=4.0 * float(area.sum()) * hq * head_dim)
-    for a in (dispatch_perm, undispatch_perm, table.areas):
-        a.setflags(write=False)
+    _freeze(dispatch_perm, undispatch_perm, table.areas, *host.__dict__.values(),
+            *(a for s in stages for a in (*s.slices.__dict__.values(), s.transfers.src, s.transfers.dst,
+                                          s.transfers.src_start, s.transfers.src_end, s.transfers.dst_start,
+                                          s.transfers.pair_tokens)),
+            *(a for a in stats.__dict__.values() if isinstance(a, np.ndarray)))
     return DistAttnPlan(mask=mask, cp=cp, axis=axis, chunk_size=C, solver=solver, overlap_degree=degree,
                         num_heads_q=hq, num_heads_kv=hkv, head_dim=head_dim, cost_model=model,
                         imbalance_cap=imbalance_cap, seqlen=T, padded_seqlen=T_pad,
                         partitions=tuple(tuple(int(c) for c in p) for p in parts),
                         dispatch_perm=dispatch_perm, undispatch_perm=undispatch_perm, host=host,
-                        stages=tuple(stages), chunk_areas=table.areas, _stats=stats, _key=key)
+                        stages=stages, chunk_areas=table.areas, _stats=stats, _key=key)
