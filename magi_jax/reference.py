@@ -76,3 +76,14 @@ def attention_dense(q, k, v, counts, softmax_scale: float | None = None, softcap
     lse = jnp.where(total[..., 0] > 0, jnp.log(jnp.where(total[..., 0] > 0, total[..., 0], 1)) + row_max[..., 0],
                     -jnp.inf).T
     return out, lse.astype(jnp.float32)
+
+
+def error_and_bound(got, ref64, ref_lp, tiny: float = 1e-6) -> tuple[float, float]:
+    """The tolerance rule of DESIGN.md section 5: accept when error <= bound, where
+    error = ||got - ref64|| and bound = 2 ||ref_lp - ref64|| + tiny * max(1, ||ref64||).
+    Cells where ref64 is -inf (lse of empty rows) are left out; the caller checks they match."""
+    got, ref64, ref_lp = (np.asarray(x, np.float64) for x in (got, ref64, ref_lp))
+    empty = np.isneginf(ref64)
+    got, ref64, ref_lp = (np.where(empty, 0.0, x) for x in (got, ref64, ref_lp))
+    norm = lambda x: float(np.linalg.norm(x))
+    return norm(got - ref64), 2 * norm(ref_lp - ref64) + tiny * max(1.0, norm(ref64))

@@ -59,6 +59,14 @@ def zigzag(num_chunks: int, cp: int) -> Partition:
                  for r in range(cp))
 
 
+def area_cap(areas: np.ndarray, cp: int, imbalance_cap: float) -> float:
+    """The largest area a rank may get: ``imbalance_cap * mean``, or, when the heaviest chunk plus the
+    lightest others already exceed that (no partition can meet it), that reachable bound instead."""
+    areas = np.asarray(areas, np.float64)
+    per = _check(len(areas), cp)
+    return max(imbalance_cap * areas.sum() / cp, areas.max() + np.sort(areas)[:per - 1].sum())
+
+
 def _bincount(index: np.ndarray, weights: np.ndarray, size: int) -> np.ndarray:
     """Float sums per index (np.bincount returns ints for empty input)."""
     return np.bincount(index, weights=weights.astype(np.float64), minlength=size).astype(np.float64)
@@ -122,7 +130,7 @@ def affinity_greedy(table: ChunkTable, cp: int, key_cost: float, imbalance_cap: 
     per = _check(n, cp)
     areas = table.areas.astype(np.float64)
     model = _RemoteModel(table)
-    cap = max(imbalance_cap * areas.sum() / cp, areas.max() + np.sort(areas)[:per - 1].sum())
+    cap = area_cap(areas, cp, imbalance_cap)
     cov_t = np.zeros((n, cp))          # per key chunk and rank: the largest need so far
     owner = np.full(n, -1, np.int64)
     load, rem = np.zeros(cp), np.zeros(cp)
@@ -171,10 +179,7 @@ class _SwapSearch:
         self.model = model = _RemoteModel(table)
         self.not_self = model.kc != model.row
         self.cell_cost, self.key_cost = cell_cost, key_cost
-        # If the heaviest chunk plus the lightest others already exceed the cap, no partition meets it:
-        # aim at that bound instead, so the rank holding that chunk does not stall the search.
-        lightest = np.sort(self.areas)[:self.per - 1].sum()
-        self.cap = max(imbalance_cap * self.areas.sum() / cp, self.areas.max() + lightest)
+        self.cap = area_cap(self.areas, cp, imbalance_cap)   # reachable, so no rank stalls the search
         # One cell over the cap costs more than any time the search can save.
         self.penalty = 2.0 * (cell_cost * self.areas.sum() + key_cost * n * table.chunk_size) + 1.0
         # Areas and keys are integers: a real improvement is far above this, float noise far below.
@@ -184,10 +189,8 @@ class _SwapSearch:
         self.owner = np.empty(n, np.int64)
         for r, p in enumerate(self.parts):
             self.owner[p] = r
-        # Per rank and key chunk: the largest need (also kept key-major for gathers over ranks), the
-        # runner-up, and the chunk giving the largest (-1 if none).
+        # Per rank and key chunk: the largest need, the runner-up, and the chunk giving the largest (-1).
         self.cov1 = np.zeros((cp, n))
-        self.cov1_t = np.zeros((n, cp))
         self.cov2 = np.zeros((cp, n))
         self.arg1 = np.full((cp, n), -1, np.int64)
         self.rem = np.zeros(cp)
@@ -204,7 +207,7 @@ class _SwapSearch:
     def refresh(self, r: int) -> None:
         P = self.parts[r]
         c1, c2, a1, rm = self.model.cover(P)
-        self.cov1[r], self.cov1_t[:, r], self.cov2[r], self.rem[r] = c1, c1, c2, rm
+        self.cov1[r], self.cov2[r], self.rem[r] = c1, c2, rm
         self.arg1[r] = np.where(a1 >= 0, P[np.maximum(a1, 0)], -1)
         # Removing P[j]: keys whose top need came from P[j] fall to the runner-up, and P[j] becomes a
         # key chunk the rest may need.
@@ -245,20 +248,34 @@ class _SwapSearch:
         cov_wo[a1[has], has] = c2[has]
         est_r = self.cost(self.load[r] - areas[P][:, None] + areas[None, :],
                           self.rem_without[P][:, None] + add[None, :] + fix.reshape(per, n) - cov_wo)
-        # s's remote, a lower bound: without c' (exact), plus what P[j] adds to s's current cover,
-        # minus s's need of P[j], which s then owns.
+        # Only swaps whose r side already wins are worth scoring on the s side.
+        ok_r = est_r < limit
+        ok_r[:, P] = False
+        if not ok_r.any():
+            return None
+        S = np.unique(owner[np.flatnonzero(ok_r.any(axis=0))])
+        s_of = np.full(self.cp, -1, np.int64)
+        s_of[S] = np.arange(len(S))
+        # s's remote, a lower bound: without c' (exact), plus what P[j] adds to s's current cover, minus
+        # s's need of P[j], which s then owns.
         k, w, jj = model.entries(P)
         keep = k != P[jj]
         k, w, jj = k[keep], w[keep], jj[keep]
-        gap = np.maximum(0.0, w[:, None] - self.cov1_t[k])               # [entries, cp]
-        gap[np.arange(len(k)), owner[k]] = 0.0
-        onehot = np.zeros((per, len(k)))
-        onehot[jj, np.arange(len(k))] = 1.0
-        add_s = onehot @ gap                                               # [per, cp]
-        est_s = self.cost(self.load[owner][None, :] - areas[None, :] + areas[P][:, None],
-                          self.rem_without[None, :] + add_s[:, owner] - self.cov1_t[P][:, owner])
-        score = np.maximum(est_r, est_s)
-        score[:, P] = np.inf
+        gap = np.maximum(0.0, w[:, None] - self.cov1[np.ix_(S, k)].T)       # [entries, |S|]
+        so_k = s_of[owner[k]]
+        hit = np.flatnonzero(so_k >= 0)
+        gap[hit, so_k[hit]] = 0.0                       # keys s owns cost s nothing
+        add_s = np.zeros((per, len(S)))
+        if len(k):
+            starts = np.searchsorted(jj, np.arange(per))
+            nonempty = np.bincount(jj, minlength=per) > 0
+            add_s[nonempty] = np.add.reduceat(gap, starts[nonempty], axis=0)
+        cols = np.flatnonzero(ok_r.any(axis=0))
+        so = s_of[owner[cols]]
+        est_s = self.cost(self.load[owner[cols]][None, :] - areas[cols][None, :] + areas[P][:, None],
+                          self.rem_without[cols][None, :] + add_s[:, so] - self.cov1[np.ix_(owner[cols], P)].T)
+        score = np.full((per, n), np.inf)
+        score[:, cols] = np.where(ok_r[:, cols], np.maximum(est_r[:, cols], est_s), np.inf)
         score = score.reshape(-1)
         flat = np.flatnonzero(score < limit)
         if len(flat) == 0:
@@ -319,10 +336,18 @@ def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: flo
     starts = [affinity_greedy(table, cp, key_cost / max(cell_cost, 1e-300), imbalance_cap), contiguous(n, cp)]
     if per % 2 == 0:
         starts.append(zigzag(n, cp))
-    searches = [_SwapSearch(table, cp, cell_cost, key_cost, imbalance_cap, s, min_gain) for s in starts]
-    under = [s for s in searches if s.load.max() <= s.cap]
-    best = min(under, key=lambda s: s.t.max()) if under else searches[0]
-    return best.run(40 * n if max_moves is None else max_moves, ranks_tried, candidates_checked)
+    model = _RemoteModel(table)
+    areas = table.areas.astype(np.float64)
+    cap = area_cap(areas, cp, imbalance_cap)
+    costs, fits = [], []
+    for start in starts:
+        load = np.array([areas[p].sum() for p in start])
+        rem = np.array([model.remote(np.asarray(p)) for p in start])
+        costs.append(float((cell_cost * load + key_cost * rem).max()))
+        fits.append(bool(load.max() <= cap))
+    pick = min((i for i in range(len(starts)) if fits[i]), key=lambda i: costs[i], default=0)
+    search = _SwapSearch(table, cp, cell_cost, key_cost, imbalance_cap, starts[pick], min_gain)
+    return search.run(40 * n if max_moves is None else max_moves, ranks_tried, candidates_checked)
 
 
 def predicted_remote(table: ChunkTable, partition: Partition) -> np.ndarray:

@@ -1,0 +1,60 @@
+"""Timing and reporting shared by the benchmarks: median wall time, TFLOP/s on the unmasked area, a
+markdown table appended to BENCHMARKS.md with date, machine, versions and command."""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+import jax
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7) -> float:
+    """Median wall time of fn(*args) after warm-up (compilation stays out of the numbers)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def attention_flops(area: int, heads_q: int, head_dim: int, backward: bool = False) -> float:
+    """DESIGN.md section 5: forward 4 * area * Hq * D, forward+backward 3.5x that."""
+    return 4.0 * area * heads_q * head_dim * (3.5 if backward else 1.0)
+
+
+def machine_line() -> str:
+    devices = jax.devices()
+    kind = devices[0].device_kind if devices[0].platform != "cpu" else platform.processor() or "CPU"
+    import os
+    return (f"{len(devices)} x {kind} ({devices[0].platform}, {os.cpu_count()} host cores), "
+            f"jax {jax.__version__}, python {platform.python_version()}")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def append_report(title: str, table: str, notes: str = "", path: pathlib.Path = ROOT / "BENCHMARKS.md") -> None:
+    """Appends a dated section: title, machine, command, table, notes."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = "python " + " ".join(sys.argv) if sys.argv and sys.argv[0] else "python"
+    section = (f"\n## {title}, {stamp}\n\nMachine: {machine_line()}.  \nCommand: `{command}`\n\n{table}\n"
+               + (f"\n{notes}\n" if notes else ""))
+    if not path.exists():
+        path.write_text("# Benchmarks\n\nEach section is one run, appended by the benchmark itself; numbers are "
+                        "never copied forward.\n")
+    with path.open("a") as f:
+        f.write(section)
