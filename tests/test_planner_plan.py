@@ -115,6 +115,9 @@ def test_transfer_indices_match_tables():
         got = np.where(recv >= 0, np.take_along_axis(received, np.maximum(recv, 0), axis=1), -1)
         assert np.array_equal(got, plan.recv_global_keys(i))
         assert np.array_equal((send >= 0).sum(axis=2), t.pair_tokens)
+        shifts = t.shift_tokens()
+        assert shifts[0] == 0 and shifts.max() == t.pair_max
+        assert all(shifts[(d - s_) % 4] >= t.pair_tokens[s_, d] for s_ in range(4) for d in range(4) if s_ != d)
 
 
 def test_keys_sent_once_per_stage_and_rank():

@@ -165,6 +165,8 @@ def plot_plan(plan: DistAttnPlan, path: str, rank: int) -> None:
     for r, p in enumerate(plan.partitions):
         owner[list(p)] = r
     bin_owner = owner[::per_bin][:nb]          # a bin's colour: its first chunk's owner
+    bins = np.arange(plan.num_chunks) // per_bin
+    mine = np.bincount(bins, weights=owner == rank, minlength=nb)[:nb] > 0   # bins holding any of rank's chunks
     fig, ax = plt.subplots(1, 2, figsize=(13, 6.5))
     img = np.where(areas > 0, bin_owner[:, None] % 20, np.nan)
     ax[0].imshow(img, cmap=plt.get_cmap("tab20"), vmin=0, vmax=19, interpolation="nearest")
@@ -172,7 +174,6 @@ def plot_plan(plan: DistAttnPlan, path: str, rank: int) -> None:
                     + (f", {per_bin} chunks per pixel" if per_bin > 1 else "") + ")")
     ax[0].set_xlabel("key chunk")
     ax[0].set_ylabel("query chunk")
-    mine = bin_owner == rank
     kind = np.full(areas.shape, np.nan)
     kind[(areas > 0)] = 0
     kind[np.ix_(mine, np.ones(nb, bool))] = np.where(areas[mine] > 0, 2, np.nan)

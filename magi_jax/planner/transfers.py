@@ -47,6 +47,13 @@ class StageTransfers:
         """Largest keys any one pair exchanges: the row length of padded all_to_all buffers."""
         return int(self.pair_tokens.max()) if self.pair_tokens.size else 0
 
+    def shift_tokens(self) -> np.ndarray:
+        """int64 [cp]: for each shift d, the most keys any rank r sends to rank (r + d) % cp: the buffer
+        length of a collective_permute by d (0: that shift carries nothing and can be skipped)."""
+        cp = self.cp
+        r = np.arange(cp)
+        return np.array([self.pair_tokens[r, (r + d) % cp].max() if d else 0 for d in range(cp)], np.int64)
+
     def send_index(self) -> np.ndarray:
         """int32 [cp (src), cp (dst), pair_max]: the source-local key positions src packs for dst, in order,
         -1 past the end. Row [src] is what an all_to_all sender gathers from its local buffer."""
