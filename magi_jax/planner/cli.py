@@ -249,7 +249,8 @@ def simulate_main(argv: Sequence[str]) -> int:
             if s == "comm_aware":
                 plan_s = m["plan_seconds"]
         if ratio:   # mean over seeds of the per-workload ratio
-            cells.append(f"{np.mean([c['remote'] / h['remote'] for c, h in zip(res['comm_aware'], res['minheap'])]):.3f}")
+            pairs = zip(res["comm_aware"], res["minheap"])
+            cells.append(f"{np.mean([c['remote'] / h['remote'] for c, h in pairs]):.3f}")
         line = f"| {cp} | {cp * a.per_gpu} | " + " | ".join(cells) + f" | {plan_s:.2f} |"
         lines.append(line)
         print(line, flush=True)

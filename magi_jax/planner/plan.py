@@ -11,7 +11,8 @@ import numpy as np
 
 from magi_jax.mask import AttnMask, slice_areas
 from magi_jax.planner.chunks import chunk_table
-from magi_jax.planner.slices import (Segments, chunk_runs, cut, needed_keys, pad_slices, rank_slices)
+from magi_jax.planner.slices import (RankSlices, Segments, chunk_runs, cut, needed_keys, pad_slices,
+                                     rank_slices)
 from magi_jax.planner.solvers import DEFAULT_SOLVER, SOLVERS
 from magi_jax.planner.stages import (MAX_DEGREE, CostModel, StageTiming, assign_stages, stage_timing)
 from magi_jax.planner.transfers import StageTransfers, build_transfers
@@ -289,7 +290,7 @@ class _Pieces(NamedTuple):
         return self.end - self.start
 
 
-def _remote_pieces(rs, owner: np.ndarray, local: np.ndarray, C: int) -> _Pieces:
+def _remote_pieces(rs: RankSlices, owner: np.ndarray, local: np.ndarray, C: int) -> _Pieces:
     nr, na, nb = needed_keys(rs)
     first, last = na // C, (nb - 1) // C
     cnt = last - first + 1
@@ -301,8 +302,8 @@ def _remote_pieces(rs, owner: np.ndarray, local: np.ndarray, C: int) -> _Pieces:
     return _Pieces(nr[i][keep], owner[ch], g0, g1[keep], local[ch] * C + (g0 - ch * C))
 
 
-def _host_pass(mask: AttnMask, rs, parts, pieces: _Pieces, C: int, cp: int, span: int
-               ) -> tuple[SliceSet, np.ndarray, np.ndarray]:
+def _host_pass(mask: AttnMask, rs: RankSlices, parts: tuple[np.ndarray, ...], pieces: _Pieces, C: int,
+               cp: int, span: int) -> tuple[SliceSet, np.ndarray, np.ndarray]:
     """Host slices (final), host area per rank, and the area each remote piece brings (to size stages)."""
     runs, _ = chunk_runs(parts)
     n = len(pieces.dst)
@@ -340,7 +341,7 @@ def _choose_stages(pieces: _Pieces, piece_area: np.ndarray, host_area: np.ndarra
     return best
 
 
-def _remote_pass(mask: AttnMask, rs, pieces: _Pieces, stage: np.ndarray, cp: int, span: int
+def _remote_pass(mask: AttnMask, rs: RankSlices, pieces: _Pieces, stage: np.ndarray, cp: int, span: int
                  ) -> tuple[Stage, ...]:
     """Per stage the transfer table, then the remote slices cut against its merged key ranges."""
     n_stages = int(stage.max()) + 1 if len(stage) else 0

@@ -55,6 +55,7 @@ class RankSlices(NamedTuple):
 
 
 def rank_slices(mask: AttnMask, chunk_size: int, partitions: tuple[np.ndarray, ...]) -> RankSlices:
+    """Every (slice, run) intersection, with the keys its rows need and the shift to local rows."""
     C = chunk_size
     runs, run_of = chunk_runs(partitions)
     sl, ch = slice_chunk_pairs(mask, C)
