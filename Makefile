@@ -6,7 +6,7 @@ PYTHON312 ?= $(shell (PYENV_VERSION=$$(pyenv versions --bare 2>/dev/null | grep 
 	python3.12 -c 'import sys; print(sys.executable)' || python3.12 -c 'import sys; print(sys.executable)') 2>/dev/null)
 SOURCES := $(wildcard ffi/*.cc ffi/*.h cuda/*.cu cuda/*.h cuda/*.cuh cuda/CMakeLists.txt) CMakeLists.txt pyproject.toml
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench install clean bazel-test
 
 $(VENV)/.deps: requirements-dev.txt
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 not found (install it, or set PYTHON312=/path/to/python3.12)"; exit 1; }
@@ -30,6 +30,17 @@ test: install
 
 bench: install
 	$(PY) -m magi_jax bench --backend cpu
+
+# Bazel (Debian's bazel-bootstrap 4.2.3, offline): installs it when missing; the build takes the headers,
+# nanobind and the test interpreter from the venv (see README.md, Bazel).
+BAZEL ?= bazel
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+bazel-test: $(VENV)/.deps
+	@command -v $(BAZEL) >/dev/null || { echo "bazel not found: installing Debian's bazel-bootstrap"; \
+		$(SUDO) apt-get update -qq && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bazel-bootstrap; }
+	$(BAZEL) test --repo_env=MAGI_JAX_PYTHON=$(abspath $(PY)) //...
 
 clean:
 	rm -rf build $(VENV) *.png
