@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 
 #include "ffa_cpu.h"
+#include "range_ops_cpu.h"
 
 namespace nb = nanobind;
 
@@ -19,6 +20,8 @@ NB_MODULE(_ffi_cpu, m) {
     nb::dict targets;
     targets["magi_jax_ffa_fwd"] = Capsule(MagiFfaFwdCpu);
     targets["magi_jax_ffa_bwd"] = Capsule(MagiFfaBwdCpu);
+    targets["magi_jax_range_gather"] = Capsule(MagiRangeGatherCpu);
+    targets["magi_jax_range_scatter_add"] = Capsule(MagiRangeScatterAddCpu);
     return targets;
   });
 }

@@ -1,0 +1,216 @@
+// CUDA range gather and range scatter-add (interface: ffi/range_ops_interface.h), exported as
+// MagiRangeGatherCuda and MagiRangeScatterAddCuda and registered by magi_jax/_ffi.py for platform "CUDA".
+// They pack and unpack the buffers of the group collectives (magi_jax/comm.py).
+//
+// One kernel in "gather form" serves both: a CTA owns kRows output rows x (threads * kVec) columns of one
+// array, keeps them in float registers, walks the range table in order (staged through shared memory) and
+// adds every input row that a range maps into its rows; then it rounds once and stores. Every output element
+// has one owner: no atomics, no pre-zeroing, deterministic sums, each output byte written once.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "range_ops_interface.h"
+
+namespace magi_jax::cuda {
+namespace {
+
+constexpr int kRows = 16;          // output rows per CTA
+constexpr int kVec = 4;            // consecutive elements per thread
+constexpr int kMaxThreads = 256;
+constexpr int kRangeTile = 256;    // ranges staged in shared memory at a time
+
+struct Arrays {
+  const void* in[kMaxRangeArrays];
+  void* out[kMaxRangeArrays];
+  int64_t features[kMaxRangeArrays];
+};
+
+__device__ __forceinline__ float ToF(float x) { return x; }
+__device__ __forceinline__ float ToF(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float ToF(__half x) { return __half2float(x); }
+template <typename T> __device__ __forceinline__ T FromF(float x);
+template <> __device__ __forceinline__ float FromF<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 FromF<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __half FromF<__half>(float x) { return __float2half_rn(x); }
+
+// kVec elements at p (aligned to kVec elements when kAligned) to and from floats.
+template <bool kAligned, typename T>
+__device__ __forceinline__ void Load(const T* p, int n, float (&v)[kVec]) {
+  if constexpr (kAligned && sizeof(T) == 4) {
+    const float4 u = *reinterpret_cast<const float4*>(p);
+    v[0] = u.x; v[1] = u.y; v[2] = u.z; v[3] = u.w;
+  } else if constexpr (kAligned && sizeof(T) == 2) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = ToF(h[e]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) v[e] = e < n ? ToF(p[e]) : 0.0f;
+  }
+}
+
+template <bool kAligned, typename T>
+__device__ __forceinline__ void Store(T* p, int n, const float (&v)[kVec]) {
+  if constexpr (kAligned && sizeof(T) == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else if constexpr (kAligned && sizeof(T) == 2) {
+    uint2 u;
+    T* h = reinterpret_cast<T*>(&u);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) h[e] = FromF<T>(v[e]);
+    *reinterpret_cast<uint2*>(p) = u;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e)
+      if (e < n) p[e] = FromF<T>(v[e]);
+  }
+}
+
+// kAligned: every array's feature count is a multiple of kVec (rows then start on kVec-element boundaries).
+template <typename Tin, typename Tout, bool kAligned>
+__global__ void __launch_bounds__(kMaxThreads)
+    RangeSumKernel(const int32_t* __restrict__ ranges, int num_ranges, bool gather,
+                   const __grid_constant__ Arrays arrays, int64_t in_rows,
+                   int64_t out_rows) {
+  __shared__ int3 spans[kRangeTile];  // (in_start, out_start - r0, len) clipped; len 0 when it misses the CTA
+  const int j = blockIdx.z;  // arrays is a __grid_constant__: indexed in parameter space, no local copy
+  const Tin* in = static_cast<const Tin*>(arrays.in[j]);
+  Tout* out = static_cast<Tout*>(arrays.out[j]);
+  const int64_t f = arrays.features[j];
+  const int64_t col = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kVec;
+  const int64_t r0 = int64_t(blockIdx.x) * kRows;
+  const int n_cols = int(min(int64_t(kVec), f - col));
+
+  float acc[kRows][kVec];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
+
+  for (int base = 0; base < num_ranges; base += kRangeTile) {
+    const int n = min(kRangeTile, num_ranges - base);
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const int64_t s = ranges[3 * (base + i)], e = ranges[3 * (base + i) + 1], d = ranges[3 * (base + i) + 2];
+      const int64_t in0 = gather ? s : d, out0 = gather ? d : s;
+      // Clip to both arrays and to this CTA's rows [r0, r0 + kRows).
+      const int64_t lo = max(max(int64_t(0), -in0), max(-out0, r0 - out0));
+      const int64_t hi = min(min(e - s, in_rows - in0), min(out_rows - out0, r0 + kRows - out0));
+      spans[i] = hi > lo ? make_int3(int(in0 + lo), int(out0 + lo - r0), int(hi - lo)) : make_int3(0, 0, 0);
+    }
+    __syncthreads();
+    if (n_cols <= 0) continue;
+    for (int i = 0; i < n; ++i) {
+      const int3 sp = spans[i];
+      if (sp.z == 0) continue;
+      const int64_t first_in = int64_t(sp.x) - sp.y;  // input row of CTA row 0
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= sp.y && r < sp.y + sp.z) {
+          float v[kVec];
+          Load<kAligned>(in + (first_in + r) * f + col, n_cols, v);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[r][e] += v[e];
+        }
+      }
+    }
+  }
+  if (n_cols <= 0) return;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+    if (r0 + r < out_rows) Store<kAligned>(out + (r0 + r) * f + col, n_cols, acc[r]);
+}
+
+template <typename Tin, typename Tout>
+cudaError_t LaunchRangeSum(cudaStream_t stream, const int32_t* ranges, int num_ranges, bool gather,
+                           const Arrays& arrays, int num_arrays, int64_t in_rows, int64_t out_rows) {
+  int64_t max_f = 0;
+  bool aligned = true;
+  for (int j = 0; j < num_arrays; ++j) {
+    max_f = std::max(max_f, arrays.features[j]);
+    aligned &= arrays.features[j] % kVec == 0;
+  }
+  if (out_rows == 0 || max_f == 0) return cudaSuccess;
+  const int64_t vecs = (max_f + kVec - 1) / kVec;
+  const int threads = int(std::min<int64_t>(kMaxThreads, (vecs + 31) / 32 * 32));
+  const dim3 grid(unsigned((out_rows + kRows - 1) / kRows), unsigned((vecs + threads - 1) / threads),
+                  unsigned(num_arrays));
+  if (aligned) {
+    RangeSumKernel<Tin, Tout, true><<<grid, threads, 0, stream>>>(ranges, num_ranges, gather, arrays, in_rows,
+                                                                   out_rows);
+  } else {
+    RangeSumKernel<Tin, Tout, false><<<grid, threads, 0, stream>>>(ranges, num_ranges, gather, arrays, in_rows,
+                                                                    out_rows);
+  }
+  return cudaGetLastError();
+}
+
+template <typename Tin>
+cudaError_t LaunchByOutType(ffi::DataType out_type, cudaStream_t stream, const int32_t* ranges, int num_ranges,
+                            bool gather, const Arrays& arrays, int num_arrays, int64_t in_rows, int64_t out_rows) {
+  if (out_type == ffi::DataType::F32)
+    return LaunchRangeSum<Tin, float>(stream, ranges, num_ranges, gather, arrays, num_arrays, in_rows, out_rows);
+  return LaunchRangeSum<Tin, Tin>(stream, ranges, num_ranges, gather, arrays, num_arrays, in_rows, out_rows);
+}
+
+ffi::Error RangeOp(const char* name, bool gather, cudaStream_t stream, ffi::Buffer<ffi::S32> ranges,
+                   ffi::RemainingArgs ins, ffi::RemainingRets outs) {
+  RangeArray list[kMaxRangeArrays];
+  auto dims = CheckRangeOp(name, ranges, ins, outs, list);
+  if (dims.has_error()) return dims.error();
+  constexpr int64_t kMaxRows = (int64_t(1) << 31) - kRows;
+  if (dims->in_rows > kMaxRows || dims->out_rows > kMaxRows || dims->num_ranges > (int64_t(1) << 30))
+    return ffi::Error::InvalidArgument(std::string(name) + ": more than 2^31 rows or 2^30 ranges");
+  Arrays arrays{};
+  for (int64_t j = 0; j < dims->num_arrays; ++j) {
+    arrays.in[j] = list[j].in;
+    arrays.out[j] = list[j].out;
+    arrays.features[j] = list[j].features;
+  }
+  const int32_t* table = ranges.typed_data();
+  const int m = int(dims->num_ranges), n = int(dims->num_arrays);
+  cudaError_t err;
+  switch (dims->in_type) {
+    case ffi::DataType::BF16:
+      err = LaunchByOutType<__nv_bfloat16>(dims->out_type, stream, table, m, gather, arrays, n, dims->in_rows,
+                                           dims->out_rows);
+      break;
+    case ffi::DataType::F16:
+      err = LaunchByOutType<__half>(dims->out_type, stream, table, m, gather, arrays, n, dims->in_rows,
+                                    dims->out_rows);
+      break;
+    default:
+      err = LaunchByOutType<float>(dims->out_type, stream, table, m, gather, arrays, n, dims->in_rows,
+                                   dims->out_rows);
+      break;
+  }
+  if (err != cudaSuccess)
+    return ffi::Error(ffi::ErrorCode::kInternal, std::string(name) + ": " + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+ffi::Error RangeGatherImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
+                           ffi::RemainingRets outs) {
+  return RangeOp("magi_jax_range_gather", true, stream, ranges, ins, outs);
+}
+
+ffi::Error RangeScatterAddImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
+                               ffi::RemainingRets outs) {
+  return RangeOp("magi_jax_range_scatter_add", false, stream, ranges, ins, outs);
+}
+
+}  // namespace
+}  // namespace magi_jax::cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeGatherCuda, magi_jax::cuda::RangeGatherImpl,
+                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()
+                                                        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeScatterAddCuda, magi_jax::cuda::RangeScatterAddImpl,
+                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()
+                                                        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));

@@ -1,0 +1,99 @@
+// The range-op custom-call interface shared by every platform (CPU in ffi/, CUDA in cuda/): the packing and
+// unpacking of the group collectives (magi_jax/comm.py).
+//
+// A range table is int32 [M, 3], one row (src_start, src_end, dst_start) per contiguous range: rows
+// [src_start, src_end) of the "source" side correspond to rows [dst_start, dst_start + src_end - src_start) of
+// the "destination" side. Empty rows (src_end <= src_start) are padding. Parts of a range outside either
+// array are skipped.
+//
+// Targets (registered per platform under the same names; n arrays of one leading length, 1 <= n <= 4):
+//   magi_jax_range_gather:      (ranges, x_0 .. x_n-1) -> (y_0 .. y_n-1)
+//       y_j[dst_start + t] = x_j[src_start + t]        (destination rows no range covers are zero)
+//   magi_jax_range_scatter_add: (ranges, y_0 .. y_n-1) -> (x_0 .. x_n-1)
+//       x_j[src_start + t] += y_j[dst_start + t]       (starting from zero)
+// The two are transposes of each other. A row that several ranges write receives their sum, added in float32
+// in the order of the table (deterministic; the output is rounded once). Inputs are [T_in, ...] and outputs
+// [T_out, ...] with the same trailing shape; the output dtype is the input's or float32. Dtypes: float32,
+// bfloat16, float16.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace magi_jax {
+
+namespace ffi = xla::ffi;
+
+inline constexpr int kMaxRangeArrays = 4;
+
+// Appends the arguments and results to a binding that already holds the platform's context.
+template <typename Binding>
+auto BindRangeOp(Binding binding) {
+  return std::move(binding).template Arg<ffi::Buffer<ffi::S32>>()  // ranges [M, 3]
+      .RemainingArgs()                                             // inputs, [T_in, ...] each
+      .RemainingRets();                                            // outputs, [T_out, ...] each
+}
+
+// One array pair of a range op, as the kernels see it: rows of `features` elements.
+struct RangeArray {
+  const void* in;
+  void* out;
+  int64_t features;
+};
+
+struct RangeOpDims {
+  int64_t num_ranges, in_rows, out_rows, num_arrays;
+  ffi::DataType in_type, out_type;
+};
+
+// Checks the table and the arrays (same count of inputs and outputs, one leading length per side, equal
+// trailing shapes, supported dtypes) and fills `arrays`.
+inline ffi::ErrorOr<RangeOpDims> CheckRangeOp(const char* op, const ffi::Buffer<ffi::S32>& ranges,
+                                              const ffi::RemainingArgs& ins, const ffi::RemainingRets& outs,
+                                              RangeArray* arrays) {
+  const std::string name(op);
+  auto rd = ranges.dimensions();
+  if (rd.size() != 2 || rd[1] != 3) return ffi::Error::InvalidArgument(name + ": ranges must be int32 [M, 3]");
+  if (ins.size() != outs.size() || ins.size() < 1 || ins.size() > kMaxRangeArrays)
+    return ffi::Error::InvalidArgument(name + ": takes 1 to 4 arrays and returns as many");
+  RangeOpDims dims{rd[0], -1, -1, int64_t(ins.size()), ffi::DataType::INVALID, ffi::DataType::INVALID};
+  for (size_t j = 0; j < ins.size(); ++j) {
+    auto in = ins.get<ffi::AnyBuffer>(j);
+    auto out = outs.get<ffi::AnyBuffer>(j);
+    if (in.has_error()) return in.error();
+    if (out.has_error()) return out.error();
+    auto id = in->dimensions(), od = (*out)->dimensions();
+    if (id.size() < 1 || id.size() != od.size())
+      return ffi::Error::InvalidArgument(name + ": input and output " + std::to_string(j) +
+                                         " must have the same rank >= 1");
+    int64_t features = 1;
+    for (size_t a = 1; a < id.size(); ++a) {
+      if (id[a] != od[a])
+        return ffi::Error::InvalidArgument(name + ": input and output " + std::to_string(j) +
+                                           " differ beyond the leading axis");
+      features *= id[a];
+    }
+    if (j == 0) {
+      dims.in_rows = id[0];
+      dims.out_rows = od[0];
+      dims.in_type = in->element_type();
+      dims.out_type = (*out)->element_type();
+    } else if (id[0] != dims.in_rows || od[0] != dims.out_rows || in->element_type() != dims.in_type ||
+               (*out)->element_type() != dims.out_type) {
+      return ffi::Error::InvalidArgument(name + ": all arrays must share leading lengths and dtypes");
+    }
+    arrays[j] = RangeArray{in->untyped_data(), (*out)->untyped_data(), features};
+  }
+  auto supported = [](ffi::DataType t) {
+    return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+  };
+  if (!supported(dims.in_type)) return ffi::Error::InvalidArgument(name + ": dtype must be f32, bf16 or f16");
+  if (dims.out_type != dims.in_type && dims.out_type != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument(name + ": the output dtype must be the input's or float32");
+  return dims;
+}
+
+}  // namespace magi_jax

@@ -1,0 +1,448 @@
+"""Distributed flexible attention over one mesh axis (DESIGN.md sections 2 and 3).
+
+    plan = magi_jax.plan(mask, mesh, axis="cp", num_heads_q=Hq, num_heads_kv=Hkv, head_dim=D)
+    q_d, k_d, v_d = (magi_jax.dispatch(x, plan) for x in (q, k, v))      # global -> dispatched, sharded
+    out_d, lse_d = magi_jax.calc_attn(q_d, k_d, v_d, plan)              # jit- and grad-able
+    out = magi_jax.undispatch(out_d, plan)                               # dispatched -> global
+    pos = magi_jax.position_ids(plan)                                    # for RoPE on dispatched tokens
+
+Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan with stages 0..n-1:
+
+    forward   group_cast(stage i keys) for every i      -- depend on the local k, v only
+              FFA(local q, local kv, host slices) -> (out_h, lse_h)
+              FFA(local q, stage i receive buffer, stage i slices) -> (out_i, lse_i)
+              out, lse = lse-merge of all parts
+    backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
+              FFA bwd(host) -> dq_h, dk, dv             -- with the merged out / lse (exact per part)
+              FFA bwd(stage i) -> dq_i, partial dk_i/dv_i over the receive buffer
+              group_reduce(dk_i, dv_i) -> summed into the owners' dk, dv in float32; dq stays local
+
+No collective depends on an attention call, so XLA's latency-hiding scheduler is free to run stage i's
+transfer under stage i-1's kernel (and group_reduce i under FFA bwd i+1). A plan of overlap degree 0 fetches
+everything in one stage and runs one fused call over ``concat(local kv, received kv)``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from magi_jax import ffa
+from magi_jax.comm import TRANSPORTS, CastTables, cast_tables, group_cast, group_reduce, match_varying
+from magi_jax.mask import AttnMask
+from magi_jax.planner.plan import DistAttnPlan, make_plan
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The plan bound to a mesh.
+
+@dataclass(frozen=True, eq=False)
+class MeshPlan:
+    """A ``DistAttnPlan`` bound to the mesh whose axis ``plan.axis`` it spans (``mesh.shape[axis] ==
+    plan.cp``). Hashable; attribute reads fall through to the plan (``mp.local_len``, ``mp.stats()``)."""
+
+    plan: DistAttnPlan
+    mesh: Mesh
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.plan, name)
+
+    def __hash__(self) -> int:
+        return hash((self.plan, self.mesh))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeshPlan) and self.plan == other.plan and self.mesh == other.mesh
+
+    def __repr__(self) -> str:
+        return f"MeshPlan({self.plan!r}, mesh axes {dict(self.mesh.shape)})"
+
+
+def plan(mask: AttnMask, mesh: Mesh, axis: str = "cp", **kw) -> MeshPlan:
+    """``magi_jax.planner.make_plan(mask, cp=mesh.shape[axis], axis=axis, **kw)`` bound to ``mesh``;
+    cached (keyword values must be hashable). Keywords: chunk_size, solver, overlap, num_heads_q,
+    num_heads_kv, head_dim, cost_model, imbalance_cap."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis: {axis!r} is not an axis of the mesh {tuple(mesh.axis_names)}")
+    if "cp" in kw:
+        raise ValueError("cp: taken from mesh.shape[axis]; do not pass it")
+    return _bound_plan(mask, mesh, axis, tuple(sorted(kw.items())))
+
+
+@functools.lru_cache(maxsize=64)
+def _bound_plan(mask: AttnMask, mesh: Mesh, axis: str, kw: tuple) -> MeshPlan:
+    return MeshPlan(make_plan(mask, int(mesh.shape[axis]), axis=axis, **dict(kw)), mesh)
+
+
+def _split(plan_like, mesh: Mesh | None) -> tuple[DistAttnPlan, Mesh | None]:
+    if isinstance(plan_like, MeshPlan):
+        return plan_like.plan, mesh or plan_like.mesh
+    if isinstance(plan_like, DistAttnPlan):
+        return plan_like, mesh
+    raise TypeError(f"plan: expected a magi_jax.plan(...) or DistAttnPlan, got {type(plan_like).__name__}")
+
+
+def _need_mesh(p: DistAttnPlan, mesh: Mesh | None, what: str) -> Mesh:
+    if mesh is None:
+        raise ValueError(f"{what}: the plan has no mesh; build it with magi_jax.plan(mask, mesh, ...) or "
+                         "pass mesh=")
+    if p.axis not in mesh.axis_names or mesh.shape[p.axis] != p.cp:
+        raise ValueError(f"{what}: the plan spans {p.cp} ranks of axis {p.axis!r}, but the mesh has "
+                         f"{dict(mesh.shape)}")
+    return mesh
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharding specs: the token axis over plan.axis, leading batch over the other axes, heads optionally.
+
+def _as_tuple(axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _batch_entry(mesh: Mesh, p: DistAttnPlan, batch: int, batch_axes, head_axes) -> Any:
+    """The spec entry of one leading batch dim: ``batch_axes`` as given, or "auto": every other mesh axis
+    (not the plan's, not the heads') when their product divides the batch, else replicated."""
+    if batch_axes != "auto":
+        return batch_axes
+    axes = tuple(a for a in mesh.axis_names if a != p.axis and a not in _as_tuple(head_axes)
+                 and mesh.shape[a] > 1)
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if not axes or batch % size:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _spec(mesh: Mesh, p: DistAttnPlan, shape: tuple, seq_dim: int, batch_axes, head_axes=None,
+          head_dim: int | None = None) -> P:
+    entries: list[Any] = [None] * len(shape)
+    entries[seq_dim] = p.axis
+    if seq_dim == 1:
+        entries[0] = _batch_entry(mesh, p, shape[0], batch_axes, head_axes)
+    elif seq_dim > 1 and batch_axes not in ("auto", None):
+        raise ValueError(f"batch_axes: only one leading batch dim is supported, got {seq_dim}")
+    if head_dim is not None and head_axes is not None:
+        entries[head_dim] = head_axes
+    return P(*entries)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dispatch / undispatch / position_ids: the plan's static permutation, each the other's transpose.
+
+def _pad_take(x, p: DistAttnPlan, seq_dim: int):
+    pad = [(0, 0)] * x.ndim
+    pad[seq_dim] = (0, p.padded_seqlen - p.seqlen)
+    return jnp.take(jnp.pad(x, pad), jnp.asarray(p.position_ids()), axis=seq_dim)
+
+
+def _drop_take(x, p: DistAttnPlan, seq_dim: int):
+    return jnp.take(x, jnp.asarray(p.undispatch_perm), axis=seq_dim)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _dispatch(x, p, seq_dim):
+    return _pad_take(x, p, seq_dim)
+
+
+_dispatch.defvjp(lambda x, p, d: (_pad_take(x, p, d), None), lambda p, d, _, g: (_drop_take(g, p, d),))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _undispatch(x, p, seq_dim):
+    return _drop_take(x, p, seq_dim)
+
+
+_undispatch.defvjp(lambda x, p, d: (_drop_take(x, p, d), None), lambda p, d, _, g: (_pad_take(g, p, d),))
+
+
+def _check_seq(name: str, x, seq_dim: int, expect: int, what: str) -> int:
+    if not -x.ndim <= seq_dim < x.ndim:
+        raise ValueError(f"seq_dim: {seq_dim} out of range for {name} of rank {x.ndim}")
+    seq_dim %= x.ndim
+    if x.shape[seq_dim] != expect:
+        raise ValueError(f"{name}: has {x.shape[seq_dim]} tokens along dim {seq_dim}, expected {expect} ({what})")
+    return seq_dim
+
+
+def _constrain(x, mesh: Mesh | None, p: DistAttnPlan, seq_dim: int, batch_axes):
+    if mesh is None:
+        return x
+    _need_mesh(p, mesh, "dispatch")
+    return jax.lax.with_sharding_constraint(
+        x, NamedSharding(mesh, _spec(mesh, p, x.shape, seq_dim, batch_axes)))
+
+
+def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, mesh: Mesh | None = None,
+             batch_axes="auto") -> jax.Array:
+    """Global array (``plan.seqlen`` tokens along ``seq_dim``) -> dispatched order (``padded_seqlen``
+    tokens: rank 0's local buffer, then rank 1's, ...; padding zero), sharded over the plan's axis (a
+    leading batch dim, if any, over the other mesh axes: see ``calc_attn``). Any dtype; jit-able;
+    differentiable (its transpose is undispatch)."""
+    p, mesh = _split(plan, mesh)
+    x = jnp.asarray(x)
+    seq_dim = _check_seq("x", x, seq_dim, p.seqlen, "the plan's seqlen")
+    return _constrain(_dispatch(x, p, seq_dim), mesh, p, seq_dim, batch_axes)
+
+
+def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, mesh: Mesh | None = None
+               ) -> jax.Array:
+    """Dispatched array (``padded_seqlen`` tokens along ``seq_dim``) -> global order (``seqlen`` tokens,
+    padding dropped). The inverse of dispatch, and its transpose."""
+    p, mesh = _split(plan, mesh)
+    x = jnp.asarray(x)
+    seq_dim = _check_seq("x", x, seq_dim, p.padded_seqlen, "the plan's padded_seqlen")
+    return _undispatch(x, p, seq_dim)
+
+
+def position_ids(plan: MeshPlan | DistAttnPlan, *, mesh: Mesh | None = None) -> jax.Array:
+    """int32 [padded_seqlen]: the global position of every dispatched token (padding: seqlen and up),
+    sharded like dispatched arrays when the plan has a mesh. Use for RoPE on dispatched q, k."""
+    p, mesh = _split(plan, mesh)
+    ids = jnp.asarray(p.position_ids())
+    if mesh is None:
+        return ids
+    return jax.device_put(ids, NamedSharding(_need_mesh(p, mesh, "position_ids"), P(p.axis)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-rank tables: slices in the coordinates of the buffers each call reads.
+
+@dataclass(frozen=True, eq=False)
+class StageRun:
+    """One stage as calc_attn runs it: the transport tables and the slices, keys indexing the transport's
+    receive buffer (int32 [cp, N, 2], [cp, N, 2], [cp, N])."""
+
+    tables: CastTables
+    slices: tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class RunTables:
+    """What every rank's body needs, per (plan, transport): host slices, stages, and for a degree-0 plan the
+    fused slices whose keys index ``concat(local kv, stage 0 receive buffer)``."""
+
+    host: tuple[np.ndarray, np.ndarray, np.ndarray]
+    stages: tuple[StageRun, ...]
+    fused: tuple[np.ndarray, np.ndarray, np.ndarray] | None
+
+
+@functools.lru_cache(maxsize=64)
+def run_tables(p: DistAttnPlan, transport: str = "auto") -> RunTables:
+    """The runtime tables of a plan (cached)."""
+    host = (p.host.q_ranges, p.host.k_ranges, p.host.types)
+    stages = []
+    for st in p.stages:
+        tables = cast_tables(st.transfers, transport)
+        k = tables.remap_keys(st.slices.k_ranges)
+        stages.append(StageRun(tables, (st.slices.q_ranges, k, st.slices.types)))
+    fused = None
+    if p.overlap_degree == 0 and len(stages) == 1:
+        q0, k0, t0 = stages[0].slices
+        fused = _concat_slices(host, (q0, np.where(q0[..., 1:] > q0[..., :1], k0 + p.local_len, 0), t0))
+    for a in (fused or ()):
+        a.setflags(write=False)
+    return RunTables(host, tuple(stages), fused)
+
+
+def _concat_slices(a, b):
+    """Two per-rank slice sets -> one, live slices first, padded with empty slices."""
+    cp = a[0].shape[0]
+    live = lambda s: s[0][..., 1] > s[0][..., 0]
+    n = max(int((live(a).sum(1) + live(b).sum(1)).max()), 1)
+    q = np.zeros((cp, n, 2), np.int32)
+    k = np.zeros((cp, n, 2), np.int32)
+    t = np.zeros((cp, n), np.int32)
+    for r in range(cp):
+        rows = [(s[0][r][live(s)[r]], s[1][r][live(s)[r]], s[2][r][live(s)[r]]) for s in (a, b)]
+        m = sum(len(x[0]) for x in rows)
+        q[r, :m] = np.concatenate([x[0] for x in rows])
+        k[r, :m] = np.concatenate([x[1] for x in rows])
+        t[r, :m] = np.concatenate([x[2] for x in rows])
+    return q, k, t
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The per-rank computation.
+
+@dataclass(frozen=True)
+class _Config:
+    plan: DistAttnPlan
+    transport: str
+    scale: float
+    softcap: float
+    deterministic: bool
+    wire_dtype: str | None
+
+    @property
+    def tables(self) -> RunTables:
+        return run_tables(self.plan, self.transport)
+
+
+def _rank(cfg: _Config):
+    return 0 if cfg.plan.cp == 1 else jax.lax.axis_index(cfg.plan.axis)
+
+
+def _rows(slices, r):
+    return tuple(jnp.asarray(a)[r] for a in slices)
+
+
+def _fwd_call(cfg, q, k, v, slices, r):
+    rows = _rows(slices, r)
+    return match_varying(ffa._fwd_call(q, k, v, *rows, cfg.scale, cfg.softcap), q, k, v, *rows)
+
+
+def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r):
+    rows = _rows(slices, r)
+    grads = ffa._ffa_bwd(cfg.scale, cfg.softcap, cfg.deterministic, (q, k, v, out, lse, *rows), (dout, dlse))
+    return match_varying(grads[:3], q, k, v, out, dout, lse, dlse, *rows)
+
+
+def _merge(parts, dtype):
+    """lse-merge of partial results: lse = logsumexp_i lse_i, out = sum_i exp(lse_i - lse) out_i, in
+    float32; rows with no key anywhere stay out 0, lse -inf (no NaN)."""
+    if len(parts) == 1:
+        return parts[0][0].astype(dtype), parts[0][1]
+    lses = jnp.stack([lse for _, lse in parts])
+    top = jnp.max(lses, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lses - top)
+    total = w.sum(axis=0)
+    has = total > 0
+    lse = jnp.where(has, jnp.log(jnp.where(has, total, 1.0)) + top, -jnp.inf)
+    w = w / jnp.where(has, total, 1.0)
+    out = sum(w[i][..., None] * o.astype(jnp.float32) for i, (o, _) in enumerate(parts))
+    return out.astype(dtype), lse
+
+
+def _forward(q, k, v, cfg: _Config):
+    tabs, r = cfg.tables, _rank(cfg)
+    axis = cfg.plan.axis
+    if tabs.fused is not None:
+        rk, rv = group_cast((k, v), tabs.stages[0].tables, axis)
+        return _fwd_call(cfg, q, jnp.concatenate([k, rk]), jnp.concatenate([v, rv]), tabs.fused, r)
+    recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
+    parts = [_fwd_call(cfg, q, k, v, tabs.host, r)]
+    parts += [_fwd_call(cfg, q, rk, rv, st.slices, r) for st, (rk, rv) in zip(tabs.stages, recv)]
+    return _merge(parts, q.dtype)
+
+
+def _backward(cfg: _Config, res, cts):
+    q, k, v = res[:3]
+    return tuple(match_varying((g,), x)[0] for g, x in zip(_backward_body(cfg, res, cts), (q, k, v)))
+
+
+def _backward_body(cfg: _Config, res, cts):
+    q, k, v, out, lse = res
+    dout, dlse = cts
+    dout, dlse = dout.astype(q.dtype), dlse.astype(jnp.float32)
+    tabs, r, axis = cfg.tables, _rank(cfg), cfg.plan.axis
+    L = k.shape[0]
+    wire = cfg.wire_dtype and jnp.dtype(cfg.wire_dtype)
+    if tabs.fused is not None:
+        st = tabs.stages[0].tables
+        rk, rv = group_cast((k, v), st, axis)
+        dq, dkk, dvv = _bwd_call(cfg, q, jnp.concatenate([k, rk]), jnp.concatenate([v, rv]), out, dout, lse,
+                                 dlse, tabs.fused, r)
+        red_k, red_v = group_reduce((dkk[L:], dvv[L:]), st, axis, L, jnp.float32, wire)
+        dk = dkk[:L].astype(jnp.float32) + red_k
+        dv = dvv[:L].astype(jnp.float32) + red_v
+        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+    recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
+    dq, dk, dv = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
+    if not tabs.stages:
+        return dq, dk, dv
+    dq, dk, dv = (x.astype(jnp.float32) for x in (dq, dk, dv))
+    for st, (rk, rv) in zip(tabs.stages, recv):
+        dq_i, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r)
+        red_k, red_v = group_reduce((dk_i, dv_i), st.tables, axis, L, jnp.float32, wire)
+        dq, dk, dv = dq + dq_i.astype(jnp.float32), dk + red_k, dv + red_v
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attn(q, k, v, cfg):
+    return _forward(q, k, v, cfg)
+
+
+def _attn_fwd(q, k, v, cfg):
+    out, lse = _forward(q, k, v, cfg)
+    return (out, lse), (q, k, v, out, lse)
+
+
+_attn.defvjp(_attn_fwd, _backward)
+
+
+def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype
+            ) -> _Config:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+    if not softcap >= 0.0:
+        raise ValueError(f"softcap: must be >= 0, got {softcap}")
+    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
+    return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire)
+
+
+def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
+                    softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
+                    transport: str = "auto", reduce_wire_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
+
+    q [L, Hq, D], k/v [L, Hkv, D]: this rank's local buffers (L = plan.local_len), or with one leading batch
+    dim [B, L, ...] (every batch element has the plan's mask). Returns out [.., L, Hq, D] in q's dtype and
+    lse [.., L, Hq] float32. Options: ``transport`` of the group collectives ("auto", "all_to_all",
+    "ppermute"); ``reduce_wire_dtype``: dtype of dK/dV partials on the wire in the backward (default: the
+    kernel's output dtype, i.e. q's; the sum is always float32); the rest as flex_flash_attn.
+    A plan with cp == 1 also runs outside any shard_map."""
+    p, _ = _split(plan, None)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim not in (3, 4):
+            raise ValueError(f"{name}: expected [L, H, D] or [B, L, H, D], got shape {x.shape}")
+        if x.shape[-3] != p.local_len:
+            raise ValueError(f"{name}: has {x.shape[-3]} local tokens, the plan's local_len is {p.local_len}")
+    if not q.ndim == k.ndim == v.ndim or q.shape[:-3] != k.shape[:-3]:
+        raise ValueError(f"q, k, v: batch dims differ: {q.shape}, {k.shape}, {v.shape}")
+    ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
+    cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype)
+    if q.ndim == 3:
+        return _attn(q, k, v, cfg)
+    outs = [_attn(q[b], k[b], v[b], cfg) for b in range(q.shape[0])]
+    return jnp.stack([o for o, _ in outs]), jnp.stack([lse for _, lse in outs])
+
+
+def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
+              mesh: Mesh | None = None, batch_axes="auto", head_axes=None, **options
+              ) -> tuple[jax.Array, jax.Array]:
+    """Attention of dispatched q [T, Hq, D] over dispatched k, v [T, Hkv, D] (T = plan.padded_seqlen) with
+    the plan's mask; returns dispatched out [T, Hq, D] and lse [T, Hq] (float32). jit- and grad-able.
+
+    A shard_map over the plan's mesh axis; the other mesh axes pass through: a leading batch dim
+    [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
+    replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
+    ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
+    reduce_wire_dtype)."""
+    p, mesh = _split(plan, mesh)
+    mesh = _need_mesh(p, mesh, "calc_attn")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim not in (3, 4):
+            raise ValueError(f"{name}: expected [T, H, D] or [B, T, H, D], got shape {x.shape}")
+        _check_seq(name, x, x.ndim - 3, p.padded_seqlen, "the plan's padded_seqlen: dispatch it first")
+    seq_dim = q.ndim - 3
+    spec = _spec(mesh, p, q.shape, seq_dim, batch_axes, head_axes, seq_dim + 1)
+    lse_spec = P(*tuple(spec)[:-1])
+    body = functools.partial(calc_attn_local, plan=p, **options)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))(q, k, v)
+
+
+__all__ = ["MeshPlan", "plan", "dispatch", "undispatch", "position_ids", "calc_attn", "calc_attn_local",
+           "run_tables", "RunTables", "StageRun"]
