@@ -75,6 +75,15 @@ struct ListSizes {
   size_t Bytes() const { return Carver::Round((num_blocks + 1) * 8) + Carver::Round(capacity * 4); }
 };
 
+// MAGI_JAX_FFA_KERNEL=sm90 selects the TMA + wgmma forward (launch_fwd_sm90.cu); anything else, or unset,
+// the mma.sync kernels. Read at every call (a getenv), like the capacity below, so that one process can
+// compare both (bench/kernel.py) and tests can switch it.
+enum class FwdKernel { kMmaSync, kSm90 };
+FwdKernel ForwardKernel() {
+  const char* env = std::getenv("MAGI_JAX_FFA_KERNEL");
+  return env != nullptr && std::string(env) == "sm90" ? FwdKernel::kSm90 : FwdKernel::kMmaSync;
+}
+
 // MAGI_JAX_CUDA_LIST_CAPACITY caps the ids buffer (tests use 0 to exercise the kernels' scan path).
 ListSizes SizeLists(int64_t length, int block, int64_t num_slices) {
   const int64_t nb = (length + block - 1) / block;
@@ -116,7 +125,9 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
   const ListSizes q_sizes = SizeLists(dims->tq, kQBlock, dims->num_slices);
-  auto carver_or = Carver::Allocate(scratch, q_sizes.Bytes());
+  const bool sm90 = ForwardKernel() == FwdKernel::kSm90;
+  const size_t sm90_bytes = sm90 ? Carver::Round(FwdSm90ScratchInts(dims->tq) * 4) : 0;
+  auto carver_or = Carver::Allocate(scratch, q_sizes.Bytes() + sm90_bytes);
   if (!carver_or.has_value())
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the slice lists");
   Carver& carver = *carver_or;
@@ -124,6 +135,7 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   int32_t* ids;
   FwdParams p{};
   p.lists = TakeLists(carver, q_sizes, kAxisQ, kQBlock, &offsets, &ids);
+  int32_t* sm90_scratch = sm90 ? carver.Take<int32_t>(FwdSm90ScratchInts(dims->tq)) : nullptr;
   if (cudaError_t err = BuildBlockLists(args, kAxisQ, kQBlock, offsets, ids, q_sizes.capacity, stream);
       err != cudaSuccess)
     return CudaFailure("slice lists", err);
@@ -140,8 +152,14 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.softcap = softcap;
   return DispatchTypeAndDim(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
-    if (cudaError_t err = LaunchFwd<T, decltype(dim)::value>(p, stream); err != cudaSuccess)
-      return CudaFailure("forward", err);
+    constexpr int D = decltype(dim)::value;
+    if (sm90) {
+      // cudaErrorNotSupported: nothing enqueued, the inputs do not suit TMA; the mma.sync kernel runs.
+      const cudaError_t err = LaunchFwdSm90<T, D>(p, sm90_scratch, stream);
+      if (err == cudaSuccess) return ffi::Error::Success();
+      if (err != cudaErrorNotSupported) return CudaFailure("forward (sm90)", err);
+    }
+    if (cudaError_t err = LaunchFwd<T, D>(p, stream); err != cudaSuccess) return CudaFailure("forward", err);
     return ffi::Error::Success();
   });
 }

@@ -1,0 +1,350 @@
+// The sm90 forward: TMA loads into a shared-memory ring completed on mbarriers, wgmma on two consumer
+// warpgroups, a producer warp (setmaxnreg), a persistent grid taking (q block, head) tiles longest-first.
+//
+// The walk is the mma.sync forward's (flash_fwd_kernel.h): per tile, every slice of the q block's list in
+// ascending id, per slice the key tiles its rows attend, ONE online softmax across all of them. Producer
+// and consumers walk the same steps (scheduler_sm90.h, FwdStep) and meet on the ring's barriers:
+//   producer warp:  for each tile: Q -> q_full; for each step j: K(j) -> k_full[j], V(j) -> v_full[j]
+//   consumer wg:    S(j) = Q K(j)^T (SS wgmma) is issued, then O += P(j-1) V(j-1) (RS wgmma, P from
+//                   registers); the softmax of S(j) runs while the PV wgmma of step j-1 is in flight
+//                   (FA3's intra-warpgroup overlap); O is rescaled once that wgmma has landed.
+// Each consumer warpgroup owns 64 rows; a thread holds rows 16 w + g and 16 w + g + 8 of them (w the warp in
+// the warpgroup), i.e. the mma.sync C layout, so mask.h / softmax.h helpers apply with MT = 1.
+// Exact masking: tiles not wholly inside the slice for the warpgroup's 64 rows are masked per cell.
+// Empty rows: O = 0, lse = -inf (OnlineSoftmax semantics). Out-of-range rows and keys read as zeros (TMA
+// fill) and are masked or clipped on store.
+#pragma once
+
+#include "block_lists.h"
+#include "mask.h"
+#include "params.h"
+#include "scheduler_sm90.h"
+#include "sm90_ptx.h"
+#include "sm90_wgmma.h"
+#include "softmax.h"
+#include "tile_size_sm90.h"
+
+namespace magi_jax::cuda {
+
+// Online softmax over the two rows a consumer thread holds, with the rescale of O split from the update so
+// that it can wait for the PV wgmma in flight.
+struct Sm90RowSoftmax {
+  float m[2], l[2];
+
+  MAGI_DEV Sm90RowSoftmax() {
+    m[0] = m[1] = -INFINITY;
+    l[0] = l[1] = 0.0f;
+  }
+
+  // s (raw logits, masked cells -inf) -> unnormalised probabilities; alpha is the factor O must take.
+  template <int NT>
+  MAGI_DEV void Update(float (&s)[NT][4], float scale_log2, float (&alpha)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = m[half];
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni) mx = fmaxf(mx, fmaxf(s[ni][2 * half], s[ni][2 * half + 1]));
+      mx = QuadMax(mx);
+      const float base = mx == -INFINITY ? 0.0f : mx * scale_log2;
+      alpha[half] = Exp2(m[half] * scale_log2 - base);
+      m[half] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          const float p = Exp2(s[ni][e] * scale_log2 - base);
+          s[ni][e] = p;
+          sum += p;
+        }
+      l[half] = l[half] * alpha[half] + sum;
+    }
+  }
+
+  template <int DT>
+  MAGI_DEV static void Rescale(float (&o)[DT][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int di = 0; di < DT; ++di) {
+      o[di][0] *= alpha[0];
+      o[di][1] *= alpha[0];
+      o[di][2] *= alpha[1];
+      o[di][3] *= alpha[1];
+    }
+  }
+
+  // Normalises O; lse in natural log, -inf (and O = 0) for rows without keys.
+  template <int DT>
+  MAGI_DEV void Finish(float (&o)[DT][4], float scale_log2, float (&lse)[2]) {
+    float inv[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float total = QuadSum(l[half]);
+      const bool empty = !(total > 0.0f);
+      inv[half] = empty ? 0.0f : 1.0f / total;
+      lse[half] = empty ? -INFINITY : (m[half] * scale_log2 + __log2f(total)) * kLn2;
+    }
+    Rescale(o, inv);
+  }
+};
+
+// P (fp32 C fragments of a 64 x kBlockN tile) -> the A register fragments of the k16 steps of O += P V.
+template <typename T, int NT>
+MAGI_DEV void PackP(const float (&s)[NT][4], uint32_t (&pa)[NT / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < NT / 2; ++kk) {
+    pa[kk][0] = Elem<T>::Pack(s[2 * kk][0], s[2 * kk][1]);
+    pa[kk][1] = Elem<T>::Pack(s[2 * kk][2], s[2 * kk][3]);
+    pa[kk][2] = Elem<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[kk][3] = Elem<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ FwdSm90Params p) {
+  using Tile = FwdSm90Tile<D>;
+  constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, kStages = Tile::kStages, kChunks = Tile::kChunks;
+  constexpr int WM = Tile::kRowsPerWarpgroup;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The swizzle atoms need 1024-byte alignment; the dynamic buffer's own alignment is not promised.
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* sq = smem + Tile::kQOffset;
+  unsigned char* sk = smem + Tile::kKOffset;
+  unsigned char* sv = smem + Tile::kVOffset;
+  unsigned char* so = smem + Tile::kOOffset;
+  auto& bars = *reinterpret_cast<FwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
+
+  // Warp-uniform by construction (a broadcast), which ptxas needs to see to keep the wgmmas asynchronous.
+  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
+  const FwdParams& fp = p.base;
+  const SliceArgs& args = fp.slices;
+
+  if (tid == 0) {
+    MbarInit(&bars.q_full, 1);
+    MbarInit(&bars.q_empty, Tile::kConsumerWarpgroups);
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(&bars.k_full[i], 1);
+      MbarInit(&bars.v_full[i], 1);
+      MbarInit(&bars.k_empty[i], Tile::kConsumerWarpgroups);
+      MbarInit(&bars.v_empty[i], Tile::kConsumerWarpgroups);
+    }
+    for (int i = 0; i < 2; ++i) {
+      MbarInit(&bars.tile_full[i], 1);
+      MbarInit(&bars.tile_empty[i], Tile::kConsumerThreads);
+    }
+    MbarInitFence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ------------------------------------------------------------------------------------------ producer
+    SetMaxRegsDec<Tile::kProducerRegs>();
+    if (warp != 0) return;
+    if (lane == 0) {
+      PrefetchTensorMap(&p.q_map);
+      PrefetchTensorMap(&p.k_map);
+      PrefetchTensorMap(&p.v_map);
+      PrefetchTensorMap(&p.out_map);
+    }
+    PipeState<kStages> kv;
+    PipeState<2> slot;
+    uint32_t q_phase = 0;
+    int tile = blockIdx.x;
+    while (true) {
+      if (lane == 0) {
+        MbarWait(&bars.tile_empty[slot.stage], slot.phase ^ 1);
+        bars.tile[slot.stage] = tile;
+        MbarArrive(&bars.tile_full[slot.stage]);
+      }
+      slot.Advance();
+      if (tile >= p.num_tiles) break;
+      int qb, h;
+      DecodeTile(p, tile, &qb, &h);
+      const int hk = h / (fp.hq / fp.hkv);
+      const int64_t r0 = int64_t(qb) * BM;
+      if (lane == 0) {
+        MbarWait(&bars.q_empty, q_phase ^ 1);
+        MbarArriveExpectTx(&bars.q_full, Tile::kQBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c)
+          TmaLoad3d(sq + c * (BM * 128), &p.q_map, &bars.q_full, 64 * c, h, int(r0));
+      }
+      q_phase ^= 1;
+      const SliceWalk walk(args, fp.lists, qb);
+      FwdStep st;
+      for (FwdStepFrom(walk, args, r0, BM, walk.First(args), &st); st.cur >= 0;
+           FwdStepNext(walk, args, r0, BM, BN, &st)) {
+        if (lane == 0) {
+          MbarWait(&bars.k_empty[kv.stage], kv.phase ^ 1);
+          MbarArriveExpectTx(&bars.k_full[kv.stage], Tile::kKvBytes);
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c)
+            TmaLoad3d(sk + kv.stage * Tile::kKvBytes + c * (BN * 128), &p.k_map, &bars.k_full[kv.stage], 64 * c, hk,
+                      st.c0);
+          MbarWait(&bars.v_empty[kv.stage], kv.phase ^ 1);
+          MbarArriveExpectTx(&bars.v_full[kv.stage], Tile::kKvBytes);
+#pragma unroll
+          for (int c = 0; c < kChunks; ++c)
+            TmaLoad3d(sv + kv.stage * Tile::kKvBytes + c * (BN * 128), &p.v_map, &bars.v_full[kv.stage], 64 * c, hk,
+                      st.c0);
+        }
+        kv.Advance();
+      }
+      int next = 0;
+      if (lane == 0) next = int(gridDim.x) + atomicAdd(p.counter, 1);
+      tile = __shfl_sync(0xffffffffu, next, 0);
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------------- consumers
+  SetMaxRegsInc<Tile::kConsumerRegs>();
+  constexpr int NT = BN / 8, DT = D / 8;
+  const int cw = wg - 1, ctid = tid - 128, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
+  (void)ctid;
+  const int tq = args.tq;
+  const bool softcap = fp.softcap > 0.0f;
+  const float scale_log2 = (softcap ? 1.0f : fp.scale) * kLog2e;
+  // Descriptor bases: the warpgroup's 64 rows of Q; K and V of stage 0 (stages are kKvBytes apart).
+  const uint64_t desc_q = SmemDesc128B(sq + cw * (WM * 128), 16);
+  const uint64_t desc_k = SmemDesc128B(sk, 16);
+  const uint64_t desc_v = SmemDesc128B(sv, BN * 128);
+  unsigned char* so_wg = so + cw * (WM * D * 2);  // [kChunks][64 rows][64], 128B swizzle
+
+  PipeState<kStages> kv;
+  PipeState<2> slot;
+  uint32_t q_phase = 0;
+  while (true) {
+    MbarWait(&bars.tile_full[slot.stage], slot.phase);
+    const int tile = __shfl_sync(0xffffffffu, bars.tile[slot.stage], 0);  // uniform, visibly
+    MbarArrive(&bars.tile_empty[slot.stage]);
+    slot.Advance();
+    if (tile >= p.num_tiles) break;
+    int qb, h;
+    DecodeTile(p, tile, &qb, &h);
+    const int64_t r0 = int64_t(qb) * BM;
+    const int64_t wr0 = r0 + cw * WM;                 // the warpgroup's first row
+    const int64_t row = wr0 + wwarp * 16 + g;          // this thread's rows: row, row + 8
+
+    float o[DT][4];
+#pragma unroll
+    for (int di = 0; di < DT; ++di) o[di][0] = o[di][1] = o[di][2] = o[di][3] = 0.0f;
+    float s[1][NT][4];
+    uint32_t pa[NT / 2][4];
+    Sm90RowSoftmax softmax;
+    int lo[2], hi[2];
+    TileRange interior{1, 0};
+
+    MbarWait(&bars.q_full, q_phase);
+    q_phase ^= 1;
+    const SliceWalk walk(args, fp.lists, qb);
+    FwdStep st;
+    FwdStepFrom(walk, args, r0, BM, walk.First(args), &st);
+    // Per slice: the two rows' key intervals and the key tiles needing no per-cell mask.
+    auto start_slice = [&]() {
+      RowInterval(st.s, row, &lo[0], &hi[0]);
+      RowInterval(st.s, row + 8, &lo[1], &hi[1]);
+      interior = InteriorKeyTiles(st.s, wr0, WM, BN);
+    };
+    // S(j) = Q K(j)^T for the current stage, issued (not waited).
+    auto issue_s = [&]() {
+      MbarWait(&bars.k_full[kv.stage], kv.phase);
+      const uint64_t dk = DescAdd(desc_k, kv.stage * Tile::kKvBytes);
+      WgmmaFence();
+      Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc_q, dk);
+#pragma unroll
+      for (int kk = 1; kk < D / 16; ++kk) {
+        const uint32_t off_q = (kk / 4) * (BM * 128) + (kk % 4) * 32, off_k = (kk / 4) * (BN * 128) + (kk % 4) * 32;
+        Wgmma<T, BN>::template SS<0, 0>(s[0], DescAdd(desc_q, off_q), DescAdd(dk, off_k), 1);
+      }
+      WgmmaCommit();
+    };
+    // O += P(j) V(j) from the stage `at`, issued (not waited).
+    auto issue_pv = [&](const PipeState<kStages>& at) {
+      MbarWait(&bars.v_full[at.stage], at.phase);
+      const uint64_t dv = DescAdd(desc_v, at.stage * Tile::kKvBytes);
+      // Each wgmma batch has its own wgmma.fence after its barrier wait (the wait is a loop: ptxas would
+      // otherwise add its own arrive behind it), and the register fences (empty asm writing o and pa) go
+      // before it.
+      FenceRegs(o);
+      FenceRegs(pa);
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < NT / 2; ++kk) Wgmma<T, D>::template RS<1>(o, pa[kk], DescAdd(dv, kk * 2048), 1);
+      WgmmaCommit();
+    };
+    // The softmax of S(j): softcap, mask, update; alpha rescales O afterwards.
+    auto softmax_s = [&](float (&alpha)[2]) {
+      FenceRegs(s[0]);
+      if (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
+      if (!interior.Contains(st.c0)) MaskRows<1, NT>(s, lo, hi, st.c0, t);
+      softmax.Update(s[0], scale_log2, alpha);
+    };
+    auto release = [&](uint64_t* bar) {
+      if (wtid == 0) MbarArrive(bar);
+    };
+
+    if (st.cur >= 0) {
+      start_slice();
+      issue_s();
+      WgmmaWait<0>();
+      release(&bars.k_empty[kv.stage]);
+      float alpha[2];
+      softmax_s(alpha);  // O is still zero: no rescale
+      PackP<T, NT>(s[0], pa);
+      PipeState<kStages> prev = kv;
+      kv.Advance();
+      while (true) {
+        if (FwdStepNext(walk, args, r0, BM, BN, &st)) {
+          if (st.cur < 0) break;
+          start_slice();
+        }
+        issue_s();
+        issue_pv(prev);
+        WgmmaWait<1>();  // S(j) has landed
+        release(&bars.k_empty[kv.stage]);
+        softmax_s(alpha);
+        WgmmaWait<0>();  // O += P(j-1) V(j-1) has landed
+        FenceRegs(o);
+        release(&bars.v_empty[prev.stage]);
+        Sm90RowSoftmax::Rescale(o, alpha);
+        PackP<T, NT>(s[0], pa);
+        prev = kv;
+        kv.Advance();
+      }
+      release(&bars.q_empty);  // the last S wgmma has landed
+      issue_pv(prev);
+      WgmmaWait<0>();
+      FenceRegs(o);
+      release(&bars.v_empty[prev.stage]);
+    } else {
+      release(&bars.q_empty);
+    }
+
+    // -------------------------------------------------------------------------------------------- epilogue
+    float lse[2];
+    softmax.Finish(o, scale_log2, lse);
+    if (wtid == 0) BulkWaitRead();  // the previous tile's store has read the staging buffer
+    NamedBarrierSync(1 + cw, 128);
+#pragma unroll
+    for (int di = 0; di < DT; ++di) {
+      const int col = di * 8 + 2 * t, chunk = col / 64, r = wwarp * 16 + g;
+      unsigned char* base = so_wg + chunk * (WM * 128);
+      *reinterpret_cast<uint32_t*>(base + Swizzle128B(r, col % 64)) = Elem<T>::Pack(o[di][0], o[di][1]);
+      *reinterpret_cast<uint32_t*>(base + Swizzle128B(r + 8, col % 64)) = Elem<T>::Pack(o[di][2], o[di][3]);
+    }
+    FenceProxyAsyncShared();
+    NamedBarrierSync(1 + cw, 128);
+    if (wtid == 0) {
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) TmaStore3d(&p.out_map, so_wg + c * (WM * 128), 64 * c, h, int(wr0));
+      BulkCommit();
+    }
+    if (t == 0) {
+      if (row < tq) fp.lse[row * fp.hq + h] = lse[0];
+      if (row + 8 < tq) fp.lse[(row + 8) * fp.hq + h] = lse[1];
+    }
+  }
+  if (wtid == 0) BulkWait();
+}
+
+}  // namespace magi_jax::cuda

@@ -1,0 +1,153 @@
+// The sm90 forward's launcher: tensor maps (built here on the host from device pointers and static shapes:
+// no synchronisation), the longest-first tile order (two small kernels), the persistent grid, and the
+// instantiations (bf16, fp16) x (D 64, 128).
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <type_traits>
+
+#include "flash_fwd_sm90_kernel.h"
+#include "launch.h"
+
+namespace magi_jax::cuda {
+namespace {
+
+// ------------------------------------------------------------------------------------------ tile order
+
+constexpr int kWorkWarps = 8;
+
+// work[qb] = key tiles visited by q block qb, plus one (scheduler_sm90.h). One warp per q block.
+template <int BN>
+__global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args, BlockLists lists, int num_blocks,
+                                                                 int32_t* work) {
+  const int qb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
+  if (qb >= num_blocks) return;  // whole warps leave together
+  const int w = FwdBlockWork(args, lists, qb, kQBlock, BN);
+  if ((threadIdx.x & 31) == 0) work[qb] = w;
+}
+
+// order = q blocks by decreasing work: a counting sort over kBuckets buckets (work clamped) in one CTA.
+constexpr int kOrderThreads = 1024;
+constexpr int kBuckets = 4096;
+__global__ void __launch_bounds__(kOrderThreads) FwdOrderKernel(const int32_t* work, int num_blocks,
+                                                                int32_t* order) {
+  __shared__ int count[kBuckets];
+  __shared__ int partial[kOrderThreads];
+  constexpr int kPer = kBuckets / kOrderThreads;
+  const int tid = threadIdx.x;
+  for (int b = tid; b < kBuckets; b += kOrderThreads) count[b] = 0;
+  __syncthreads();
+  // Bucket kBuckets - 1 - min(work, kBuckets - 1): the largest work lands first.
+  for (int x = tid; x < num_blocks; x += kOrderThreads)
+    atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1);
+  __syncthreads();
+  // Exclusive scan of count: each thread sums kPer consecutive buckets, a Hillis-Steele scan of the sums.
+  int local = 0;
+  for (int i = 0; i < kPer; ++i) local += count[tid * kPer + i];
+  partial[tid] = local;
+  __syncthreads();
+  for (int stride = 1; stride < kOrderThreads; stride *= 2) {
+    const int add = tid >= stride ? partial[tid - stride] : 0;
+    __syncthreads();
+    partial[tid] += add;
+    __syncthreads();
+  }
+  int run = partial[tid] - local;
+  for (int i = 0; i < kPer; ++i) {
+    const int c = count[tid * kPer + i];
+    count[tid * kPer + i] = run;
+    run += c;
+  }
+  __syncthreads();
+  for (int x = tid; x < num_blocks; x += kOrderThreads)
+    order[atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1)] = x;
+}
+
+// ----------------------------------------------------------------------------------------- tensor maps
+
+PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status) !=
+            cudaSuccess ||
+        status != cudaDriverEntryPointSuccess)
+      return PFN_cuTensorMapEncodeTiled_v12000(nullptr);
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+template <typename T>
+constexpr CUtensorMapDataType kTmaType = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+
+// A [t, h, d] tensor as (d, h, t), boxes of (64, 1, box_rows) in the 128-byte swizzle; zeros past the end.
+template <typename T>
+bool EncodeMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const void* base, int t, int h, int d,
+               int box_rows) {
+  const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(h), cuuint64_t(t)};
+  const cuuint64_t strides[2] = {cuuint64_t(d) * 2, cuuint64_t(h) * d * 2};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return encode(map, kTmaType<T>, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+int64_t FwdSm90ScratchInts(int64_t tq) { return 2 * ((tq + kQBlock - 1) / kQBlock) + 1; }
+
+template <typename T, int D>
+cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t stream) {
+  using Tile = FwdSm90Tile<D>;
+  const int num_blocks = NumBlocks(p.slices.tq, Tile::kBlockM);
+  if (num_blocks == 0 || p.hq == 0) return cudaSuccess;
+  // What TMA needs; anything else is left to the mma.sync kernel (nothing has been enqueued yet).
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr || p.slices.tk == 0 || !Aligned16(p.q) || !Aligned16(p.k) || !Aligned16(p.v) ||
+      !Aligned16(p.out))
+    return cudaErrorNotSupported;
+  FwdSm90Params sp{};
+  if (!EncodeMap<T>(encode, &sp.q_map, p.q, p.slices.tq, p.hq, D, Tile::kBlockM) ||
+      !EncodeMap<T>(encode, &sp.k_map, p.k, p.slices.tk, p.hkv, D, Tile::kBlockN) ||
+      !EncodeMap<T>(encode, &sp.v_map, p.v, p.slices.tk, p.hkv, D, Tile::kBlockN) ||
+      !EncodeMap<T>(encode, &sp.out_map, p.out, p.slices.tq, p.hq, D, Tile::kRowsPerWarpgroup))
+    return cudaErrorNotSupported;
+  int device = 0, sms = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
+    return err;
+
+  int32_t* work = scratch;
+  int32_t* order = scratch + num_blocks;
+  int32_t* counter = order + num_blocks;
+  if (cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(int32_t), stream); err != cudaSuccess) return err;
+  FwdWorkKernel<Tile::kBlockN><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
+      p.slices, p.lists, num_blocks, work);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  FwdOrderKernel<<<1, kOrderThreads, 0, stream>>>(work, num_blocks, order);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+
+  sp.base = p;
+  sp.order = order;
+  sp.counter = counter;
+  sp.num_tiles = num_blocks * p.hq;
+  auto kernel = FlashFwdSm90Kernel<T, D>;
+  if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+      err != cudaSuccess)
+    return err;
+  const int grid = sp.num_tiles < sms ? sp.num_tiles : sms;
+  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
+  return cudaGetLastError();
+}
+
+template cudaError_t LaunchFwdSm90<__nv_bfloat16, 64>(const FwdParams&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__nv_bfloat16, 128>(const FwdParams&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__half, 64>(const FwdParams&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__half, 128>(const FwdParams&, int32_t*, cudaStream_t);
+
+}  // namespace magi_jax::cuda

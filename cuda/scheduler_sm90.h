@@ -1,0 +1,81 @@
+// The persistent, longest-first tile scheduler of the sm90 forward.
+//
+// Tiles are (q block, q head); tile t is q block order[t / hq], head t % hq (the heads of one q block run
+// side by side and share K/V in L2). `order` lists the q blocks by decreasing work, work being the number
+// of key tiles the block's slices visit (plus one for the epilogue), built on the device from the q-block
+// slice lists by two small kernels: WorkKernel (a warp per q block) and OrderKernel (one CTA, a counting
+// sort into kBuckets buckets; ties in any order, which changes when a tile runs, never its result).
+// The grid is one CTA per SM; CTA b starts with tile b and then takes gridDim.x + atomicAdd(counter, 1):
+// greedy longest-processing-time-first, the classic 4/3-approximation of the optimal makespan.
+#pragma once
+
+#include <cuda.h>
+
+#include "block_lists.h"
+#include "mask.h"
+#include "params.h"
+
+namespace magi_jax::cuda {
+
+struct FwdSm90Params {
+  CUtensorMap q_map, k_map, v_map, out_map;  // [T, H, D] as (D, H, T); boxes (64, 1, rows), 128B swizzle
+  FwdParams base;
+  const int32_t* order;  // [num q blocks]: q blocks by decreasing work
+  int32_t* counter;      // zeroed before the launch
+  int num_tiles;         // q blocks x hq
+};
+
+// The key tiles of one slice for the rows [r0, r0 + bm) of a q block: a step is one key tile
+// [c0, c0 + bn) of slice s; steps run slice by slice (the list's order), key tile by key tile.
+struct FwdStep {
+  int cur;  // slice cursor; -1 when the walk is over
+  Slice s;
+  int c0, ke;
+};
+
+// The first step at or after slice cursor `cur`. Warp-collective (SliceWalk).
+MAGI_DEV void FwdStepFrom(const SliceWalk& walk, const SliceArgs& a, int64_t r0, int bm, int cur, FwdStep* st) {
+  for (; cur >= 0; cur = walk.Next(a, cur)) {
+    const Slice s = LoadSlice(a.q_ranges, a.k_ranges, a.types, walk.SliceId(cur), a.tq, a.tk);
+    const int64_t rb = s.qs > r0 ? s.qs : r0, re = s.qe < r0 + bm ? s.qe : r0 + bm;
+    if (rb >= re) continue;
+    int64_t kb, ke;
+    KeySpan(s, rb, re, &kb, &ke);
+    if (kb >= ke) continue;
+    st->cur = cur;
+    st->s = s;
+    st->c0 = int(kb);
+    st->ke = int(ke);
+    return;
+  }
+  st->cur = -1;
+}
+
+// Advances to the next step; returns true when it starts a new slice (or ends the walk).
+MAGI_DEV bool FwdStepNext(const SliceWalk& walk, const SliceArgs& a, int64_t r0, int bm, int bn, FwdStep* st) {
+  st->c0 += bn;
+  if (st->c0 < st->ke) return false;
+  FwdStepFrom(walk, a, r0, bm, walk.Next(a, st->cur), st);
+  return true;
+}
+
+// Key tiles visited by q block qb (the same walk as the kernel), plus one. Warp-collective.
+MAGI_DEV int FwdBlockWork(const SliceArgs& a, const BlockLists& lists, int qb, int bm, int bn) {
+  const SliceWalk walk(a, lists, qb);
+  const int64_t r0 = int64_t(qb) * bm;
+  int work = 1;
+  FwdStep st;
+  for (FwdStepFrom(walk, a, r0, bm, walk.First(a), &st); st.cur >= 0;
+       FwdStepFrom(walk, a, r0, bm, walk.Next(a, st.cur), &st))
+    work += (st.ke - st.c0 + bn - 1) / bn;
+  return work;
+}
+
+// Tile t -> (q block, head).
+MAGI_DEV void DecodeTile(const FwdSm90Params& p, int t, int* qb, int* h) {
+  const int hq = p.base.hq;
+  *qb = p.order[t / hq];
+  *h = t % hq;
+}
+
+}  // namespace magi_jax::cuda
