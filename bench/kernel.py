@@ -3,7 +3,8 @@ q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA 
 
 bf16, 16 heads, head dim 128, batch 1 packed. TFLOP/s count the unmasked area only: forward 4 * area * H * D,
 forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad of sum(out), forward included,
-as in ../shared/peers. Every implementation's output (and dq) is compared with FFA's before it is timed.
+as in ../shared/peers. `ffa_sm90` is FFA with the sm90 forward (TMA + wgmma; MAGI_JAX_FFA_KERNEL=sm90, set
+only while its own calls run; its backward is the default one). Every implementation's output (and dq) is compared with FFA's before it is timed.
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
 table to $OUT when set.
 
@@ -70,6 +71,19 @@ def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
 def ffa(mask: AttnMask, deterministic: bool = False) -> Callable:
     qr, kr, types_ = mask.kernel_args()
     return lambda q, k, v: mj.flex_flash_attn(q[0], k[0], v[0], qr, kr, types_, deterministic=deterministic)[0][None]
+
+
+# Implementations that are FFA with a kernel chosen by MAGI_JAX_FFA_KERNEL (read by the handler at every call).
+KERNEL_ENV = "MAGI_JAX_FFA_KERNEL"
+FFA_KERNELS = {"ffa_sm90": "sm90"}
+
+
+def select_kernel(impl: str) -> None:
+    """Sets MAGI_JAX_FFA_KERNEL for `impl` (unset for every other one); call with no work in flight."""
+    if impl in FFA_KERNELS:
+        os.environ[KERNEL_ENV] = FFA_KERNELS[impl]
+    else:
+        os.environ.pop(KERNEL_ENV, None)
 
 
 def cudnn_dense_causal(q, k, v):
@@ -179,6 +193,8 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
             continue
         if name == "ffa_det":
             fns[name] = ffa(case.mask, deterministic=True)
+        elif name in FFA_KERNELS:
+            fns[name] = ffa(case.mask)
         elif name in case.baselines:
             try:
                 fns[name] = case.baselines[name]()
@@ -189,6 +205,7 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
     for name, fn in fns.items():
         for mode in ("fwd", "fwd+bwd"):
             row = dict(case=case.name, impl=name, mode=mode, tokens=total, area=area, slices=case.mask.num_slices)
+            select_kernel(name)  # the previous measurement ended in block_until_ready: nothing in flight
             try:
                 if mode == "fwd":
                     f = jax.jit(fn)
@@ -212,6 +229,7 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
             except Exception as e:
                 traceback.print_exc(limit=2)
                 row["error"] = repr(e)[:400]
+            jax.effects_barrier()
             results.append(row)
             shown = (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s  diff vs ffa {row['rel_diff_vs_ffa']:.1e}"
                      if "ms" in row else f"error {row['error'][:120]}")
@@ -220,24 +238,29 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------------------------- table
 
-COLUMNS = ("ffa", "ffa_det", "cudnn", "tokamax", "xla_dense")
+COLUMNS = ("ffa", "ffa_sm90", "ffa_det", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:
     by = {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
     cases = list(dict.fromkeys(r["case"] for r in results))
     present = [c for c in COLUMNS if any(r["impl"] == c for r in results if "tflops" in r)]
-    head = "| case | pass | " + " | ".join(f"{c} TFLOP/s (ms)" for c in present) + " | ffa / cudnn |"
-    lines = [head, "|" + "---|" * (len(present) + 3)]
+    sm90 = "ffa_sm90" in present
+    head = ("| case | pass | " + " | ".join(f"{c} TFLOP/s (ms)" for c in present) + " | ffa / cudnn |" +
+            (" ffa_sm90 / cudnn |" if sm90 else ""))
+    lines = [head, "|" + "---|" * (len(present) + 3 + sm90)]
     for case in cases:
         for mode in ("fwd", "fwd+bwd"):
             cells = []
             for c in present:
                 r = by.get((case, c, mode))
                 cells.append(f"{r['tflops']} ({r['ms']})" if r else "-")
-            f, c = by.get((case, "ffa", mode)), by.get((case, "cudnn", mode))
-            ratio = f"{f['tflops'] / c['tflops']:.2f}" if f and c else "-"
-            lines.append(f"| {case} | {mode} | " + " | ".join(cells) + f" | {ratio} |")
+            c = by.get((case, "cudnn", mode))
+            ratios = []
+            for impl in ("ffa", "ffa_sm90") if sm90 else ("ffa",):
+                f = by.get((case, impl, mode))
+                ratios.append(f"{f['tflops'] / c['tflops']:.2f}" if f and c else "-")
+            lines.append(f"| {case} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
 
@@ -245,10 +268,12 @@ def speed_bar(results: list[dict]) -> str:
     by = {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
     parts = []
     for mode, bar in (("fwd", 0.5), ("fwd+bwd", 0.4)):
-        f, c = by.get(("varlen_causal_64k", "ffa", mode)), by.get(("varlen_causal_64k", "cudnn", mode))
-        if f and c:
-            ratio = f["tflops"] / c["tflops"]
-            parts.append(f"{mode} {ratio:.2f}x cuDNN (bar {bar}x: {'met' if ratio >= bar else 'NOT met'})")
+        c = by.get(("varlen_causal_64k", "cudnn", mode))
+        for impl in ("ffa", "ffa_sm90"):
+            f = by.get(("varlen_causal_64k", impl, mode))
+            if f and c:
+                ratio = f["tflops"] / c["tflops"]
+                parts.append(f"{impl} {mode} {ratio:.2f}x cuDNN (bar {bar}x: {'met' if ratio >= bar else 'NOT met'})")
     return "speed bar, varlen causal 64k: " + ("; ".join(parts) if parts else "not measured")
 
 
@@ -270,8 +295,9 @@ def versions() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
-    parser.add_argument("--impls", nargs="*", default=["ffa", "cudnn", "tokamax", "xla_dense"],
-                        help="implementations; ffa_det adds FFA with deterministic=True")
+    parser.add_argument("--impls", nargs="*", default=["ffa", "ffa_sm90", "cudnn", "tokamax", "xla_dense"],
+                        help="implementations; ffa_det adds FFA with deterministic=True, ffa_sm90 is FFA with the "
+                             "sm90 forward")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args()
     device = jax.devices()[0]

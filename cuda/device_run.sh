@@ -1,19 +1,43 @@
 #!/bin/bash
 # One call on the GPU machine: build the package (CPU module + libmagi_jax_cuda.so), run the GPU tests, run
-# the kernel benchmark. Logs and JSON go to $OUT. Knobs: TESTS (pytest args), BENCH_ARGS, *_TIMEOUT.
+# the kernel benchmark. Logs and JSON go to $OUT. Knobs: TESTS (pytest args), BENCH_ARGS, *_TIMEOUT,
+# SKIP_TESTS, SKIP_BENCH, TEST_WORKERS.
+#
+# SUITE=sm90 (the sm90 forward, cuda/NOTES.md "sm90 path"): a smoke test under a hard timeout first (a
+# barrier bug hangs instead of failing; its log says so), then tests/test_ffa_sm90_gpu.py (the whole GPU
+# suite with MAGI_JAX_FFA_KERNEL=sm90, plus its own tests), then the bench with the ffa_sm90 column.
+#   SUITE=sm90 bash cuda/device_run.sh          # the next session's one command (about 8-9 minutes)
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
+SUITE=${SUITE:-default}
+if [ "$SUITE" = sm90 ]; then
+  TEST_FILES=${TEST_FILES:-tests/test_ffa_sm90_gpu.py}
+  BENCH_ARGS=${BENCH_ARGS:---impls ffa ffa_sm90 cudnn tokamax}
+  TEST_TIMEOUT=${TEST_TIMEOUT:-270}
+  BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
+else
+  TEST_FILES=${TEST_FILES:-tests/test_ffa_gpu.py}
+fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv \
   > "$OUT/gpu.txt" 2>&1
 t0=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || {
   echo "build failed"; tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
+if [ "$SUITE" = sm90 ]; then
+  t0=$(date +%s)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SMOKE_TIMEOUT:-150}" python3 -m pytest -q -x -rfE \
+    -p no:cacheprovider -s tests/test_ffa_sm90_gpu.py -k smoke > "$OUT/smoke.log" 2>&1
+  rc=$?
+  echo "smoke: rc $rc in $(( $(date +%s) - t0 )) s$([ $rc = 124 ] && echo ' (TIMED OUT: a hang, see NOTES.md sm90 debugging)')"
+  tail -25 "$OUT/smoke.log"
+  [ $rc = 0 ] || exit 1
+fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   t0=$(date +%s)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -rfE -n "${TEST_WORKERS:-4}" \
-    -p no:cacheprovider --timeout 240 --durations=12 -s tests/test_ffa_gpu.py ${TESTS:-} > "$OUT/tests.log" 2>&1
+    -p no:cacheprovider --timeout 240 --durations=12 -s $TEST_FILES ${TESTS:-} > "$OUT/tests.log" 2>&1
   echo "tests: rc $? in $(( $(date +%s) - t0 )) s"
   grep -E "peak GPU memory|passed|failed" "$OUT/tests.log" | tail -5
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
