@@ -26,6 +26,10 @@ python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>
   echo "build failed"; tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
 if [ "$SUITE" = sm90 ]; then
+  # The building blocks alone (TMA + swizzle + descriptors + wgmma + TMA store), no JAX: seconds.
+  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icuda cuda/tools/sm90_unit.cu -o /tmp/sm90_unit \
+    > "$OUT/unit.log" 2>&1 && timeout -k 5 60 /tmp/sm90_unit >> "$OUT/unit.log" 2>&1
+  echo "unit: rc $?"; tail -5 "$OUT/unit.log"
   t0=$(date +%s)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SMOKE_TIMEOUT:-150}" python3 -m pytest -q -x -rfE \
     -p no:cacheprovider -s tests/test_ffa_sm90_gpu.py -k smoke > "$OUT/smoke.log" 2>&1
