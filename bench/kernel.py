@@ -73,17 +73,21 @@ def ffa(mask: AttnMask, deterministic: bool = False) -> Callable:
     return lambda q, k, v: mj.flex_flash_attn(q[0], k[0], v[0], qr, kr, types_, deterministic=deterministic)[0][None]
 
 
-# Implementations that are FFA with a kernel chosen by MAGI_JAX_FFA_KERNEL (read by the handler at every call).
-KERNEL_ENV = "MAGI_JAX_FFA_KERNEL"
-FFA_KERNELS = {"ffa_sm90": "sm90"}
+# Implementations that are FFA with a kernel chosen by environment variables the handler reads at every call
+# (cuda/handlers.cu, cuda/launch_fwd_sm90.cu). ffa_sm90_grid: the sm90 forward without its persistent
+# longest-first scheduler (one CTA per tile), to measure the scheduler's share.
+FFA_KERNELS = {
+    "ffa_sm90": {"MAGI_JAX_FFA_KERNEL": "sm90"},
+    "ffa_sm90_grid": {"MAGI_JAX_FFA_KERNEL": "sm90", "MAGI_JAX_SM90_SCHED": "grid"},
+}
+KERNEL_ENVS = sorted({name for env in FFA_KERNELS.values() for name in env})
 
 
 def select_kernel(impl: str) -> None:
-    """Sets MAGI_JAX_FFA_KERNEL for `impl` (unset for every other one); call with no work in flight."""
-    if impl in FFA_KERNELS:
-        os.environ[KERNEL_ENV] = FFA_KERNELS[impl]
-    else:
-        os.environ.pop(KERNEL_ENV, None)
+    """Sets the kernel variables for `impl` (unset for every other one); call with no work in flight."""
+    for name in KERNEL_ENVS:
+        os.environ.pop(name, None)
+    os.environ.update(FFA_KERNELS.get(impl, {}))
 
 
 def cudnn_dense_causal(q, k, v):
@@ -238,7 +242,7 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------------------------- table
 
-COLUMNS = ("ffa", "ffa_sm90", "ffa_det", "cudnn", "tokamax", "xla_dense")
+COLUMNS = ("ffa", "ffa_sm90", "ffa_sm90_grid", "ffa_det", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:
@@ -297,7 +301,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--impls", nargs="*", default=["ffa", "ffa_sm90", "cudnn", "tokamax", "xla_dense"],
                         help="implementations; ffa_det adds FFA with deterministic=True, ffa_sm90 is FFA with the "
-                             "sm90 forward")
+                             "sm90 forward, ffa_sm90_grid the same without its persistent scheduler")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args()
     device = jax.devices()[0]

@@ -4,6 +4,8 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "flash_fwd_sm90_kernel.h"
@@ -27,14 +29,19 @@ __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args,
 }
 
 // order = q blocks by decreasing work: a counting sort over kBuckets buckets (work clamped) in one CTA.
+// With `last_first`, no sort: q blocks last to first (the mma.sync kernel's order; work is not read).
 constexpr int kOrderThreads = 1024;
 constexpr int kBuckets = 4096;
-__global__ void __launch_bounds__(kOrderThreads) FwdOrderKernel(const int32_t* work, int num_blocks,
+__global__ void __launch_bounds__(kOrderThreads) FwdOrderKernel(const int32_t* work, int num_blocks, bool last_first,
                                                                 int32_t* order) {
   __shared__ int count[kBuckets];
   __shared__ int partial[kOrderThreads];
   constexpr int kPer = kBuckets / kOrderThreads;
   const int tid = threadIdx.x;
+  if (last_first) {
+    for (int x = tid; x < num_blocks; x += kOrderThreads) order[x] = num_blocks - 1 - x;
+    return;
+  }
   for (int b = tid; b < kBuckets; b += kOrderThreads) count[b] = 0;
   __syncthreads();
   // Bucket kBuckets - 1 - min(work, kBuckets - 1): the largest work lands first.
@@ -97,6 +104,17 @@ bool EncodeMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const
 
 bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
+// MAGI_JAX_SM90_SCHED, for measuring the scheduler's share: "lpt" (default: persistent, longest first),
+// "natural" (persistent, q blocks last-first), "grid" (one CTA per tile, last-first: not persistent).
+enum class Sched { kLpt, kNatural, kGrid };
+Sched SchedFromEnv() {
+  const char* env = std::getenv("MAGI_JAX_SM90_SCHED");
+  if (env == nullptr) return Sched::kLpt;
+  if (std::strcmp(env, "natural") == 0) return Sched::kNatural;
+  if (std::strcmp(env, "grid") == 0) return Sched::kGrid;
+  return Sched::kLpt;
+}
+
 }  // namespace
 
 int64_t FwdSm90ScratchInts(int64_t tq) { return 2 * ((tq + kQBlock - 1) / kQBlock) + 1; }
@@ -125,11 +143,14 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   int32_t* work = scratch;
   int32_t* order = scratch + num_blocks;
   int32_t* counter = order + num_blocks;
+  const Sched sched = SchedFromEnv();
   if (cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(int32_t), stream); err != cudaSuccess) return err;
-  FwdWorkKernel<Tile::kBlockN><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
-      p.slices, p.lists, num_blocks, work);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  FwdOrderKernel<<<1, kOrderThreads, 0, stream>>>(work, num_blocks, order);
+  if (sched == Sched::kLpt) {
+    FwdWorkKernel<Tile::kBlockN><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
+        p.slices, p.lists, num_blocks, work);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
+  FwdOrderKernel<<<1, kOrderThreads, 0, stream>>>(work, num_blocks, sched != Sched::kLpt, order);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
 
   sp.base = p;
@@ -140,7 +161,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)
     return err;
-  const int grid = sp.num_tiles < sms ? sp.num_tiles : sms;
+  const int grid = sp.num_tiles < sms || sched == Sched::kGrid ? sp.num_tiles : sms;
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
   return cudaGetLastError();
 }

@@ -63,8 +63,11 @@ def test_smoke_sm90_forward_matches_mma_sync(d):
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=2e-2)
 
 
-def test_persistent_grid_many_tiles_varlen_causal():
-    # 16k tokens x 8 heads = 1024 tiles over ~132 CTAs, documents of very different lengths (uneven work).
+@pytest.mark.parametrize("sched", ["lpt", "natural", "grid"])
+def test_persistent_grid_many_tiles_varlen_causal(sched, monkeypatch):
+    # 16k tokens x 8 heads = 1024 tiles over ~132 CTAs, documents of very different lengths (uneven work);
+    # MAGI_JAX_SM90_SCHED: longest first (default), last-first, one CTA per tile (not persistent).
+    monkeypatch.setenv("MAGI_JAX_SM90_SCHED", sched)
     lens = [8000, 300, 4000, 2048, 1000, 1036]
     mask = masks.varlen_causal(lens)
     run_case(mask, hq=8, hkv=2, d=128, grads=False, seed=11)
