@@ -18,7 +18,8 @@ from magi_jax import masks
 from magi_jax.planner import make_plan
 from magi_jax.reference import attention_f64
 from tests.conftest import assert_within_rule, random_qkv
-from tests.test_dist_helpers import DOCS, check_dist, families, global_fn, mesh_of, random_mask
+from tests.test_dist_helpers import (DOCS, check_dist, collective_dependencies, count_ops, families, global_fn,
+                                     mesh_of, random_mask)
 
 # Every family once, the (cp, overlap) pairs rotating so that each cp and each degree 0..4 recurs.
 FAMILY_CASES = [
@@ -245,3 +246,31 @@ def test_bad_arguments():
         mj.calc_attn(q, q[:, :1].repeat(3, 1), q[:, :1].repeat(3, 1), mp)
     with pytest.raises(TypeError, match="plan"):
         mj.dispatch(q, "plan")
+
+
+@pytest.mark.parametrize("overlap", [0, 3])
+def test_no_transfer_waits_for_another_stage(overlap):
+    """In the compiled forward+backward, group_cast transfers depend on no attention call and each
+    group_reduce transfer on one backward call (its own stage's): the dependency half of the overlap."""
+    mp = mj.plan(masks.varlen_causal(DOCS), mesh_of(4), chunk_size=16, overlap=overlap, num_heads_q=2,
+                 head_dim=64)
+    q = jnp.zeros((mp.padded_seqlen, 2, 64), jnp.float32)
+
+    def step(q, k, v):
+        (out, lse), vjp = jax.vjp(lambda q, k, v: mj.calc_attn(q, k, v, mp), q, k, v)
+        return out, vjp((out, lse))
+
+    text = jax.jit(step).lower(q, q, q).compile().as_text()
+    ops = count_ops(text)
+    stages = max(mp.num_stages, 1)
+    assert ops["ffa"] == (2 if overlap == 0 else 2 * (stages + 1))
+    deps = collective_dependencies(text)
+    assert deps and ops["collectives"] == len(deps)
+    casts = [n for n, d in deps.items() if not d]
+    reduces = [d for d in deps.values() if d]
+    assert casts and reduces
+    for d in reduces:
+        bwd = [n for n, t in d.items() if t == "magi_jax_ffa_bwd"]
+        assert len(bwd) == 1, d
+    # Every stage's reduce waits for a different backward call.
+    assert len({n for d in reduces for n, t in d.items() if t == "magi_jax_ffa_bwd"}) == stages

@@ -75,3 +75,132 @@ def check_dist(mask: AttnMask, mesh: Mesh, *, overlap=2, chunk_size=16, hq=2, hk
     fn = global_fn(mp, softmax_scale=softmax_scale, softcap=softcap, **options)
     check_against_reference(fn, mask, q, k, v, rng, softmax_scale, softcap)
     return mp
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HLO analysis: does any collective depend on an attention call, and what runs between an async
+# collective's start and done in a scheduled module. Used by the tests and by bench/dist.py on GPUs.
+
+import re  # noqa: E402
+
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([\w\-]+)\((.*)$")
+_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce", "reduce-scatter")
+FFA_TARGETS = ("magi_jax_ffa_fwd", "magi_jax_ffa_bwd")
+
+
+def parse_hlo(text: str) -> dict[str, list[dict]]:
+    """computation name -> its instructions in order: name, opcode, operands, called computations, target,
+    and whether it is the ENTRY."""
+    comps: dict[str, list[dict]] = {}
+    current = None
+    for line in text.splitlines():
+        if current is None:
+            m = _COMP.match(line)
+            if m and "=" not in line.split("(")[0]:
+                current = m.group(1)
+                comps[current] = []
+                if line.startswith("ENTRY"):
+                    comps["__entry__"] = comps[current]
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, _, opcode, rest = m.groups()
+        depth, args = 1, []
+        for i, ch in enumerate(rest):
+            depth += 1 if ch == "(" else -1 if ch == ")" else 0
+            if depth == 0:
+                args, attrs = rest[:i], rest[i + 1:]
+                break
+        else:
+            attrs = ""
+        called = re.findall(r"(?:calls|to_apply|body|condition|branch_computations|called_computations)="
+                            r"\{?([%\w.\-, ]+)\}?", attrs)
+        target = re.search(r'custom_call_target="([^"]+)"', attrs)
+        comps[current].append({
+            "name": name, "opcode": opcode, "operands": re.findall(r"%([\w.\-]+)", args),
+            "called": [c.strip().lstrip("%") for group in called for c in group.split(",") if c.strip()],
+            "target": target.group(1) if target else None})
+    return comps
+
+
+def _contains(comps, comp: str, pred, seen=None) -> bool:
+    seen = set() if seen is None else seen
+    if comp in seen or comp not in comps:
+        return False
+    seen.add(comp)
+    return any(pred(ins) or any(_contains(comps, c, pred, seen) for c in ins["called"]) for ins in comps[comp])
+
+
+def _is_ffa(ins) -> bool:
+    return ins["target"] in FFA_TARGETS
+
+
+def _is_collective(ins) -> bool:
+    return any(ins["opcode"].startswith(c) for c in COLLECTIVES)
+
+
+def collective_dependencies(text: str) -> dict[str, dict[str, str]]:
+    """For every collective (or async wrapper holding one): the FFA calls it depends on, directly or through
+    other instructions of its computation, as {collective: {ffa call: target}}. group_cast transfers
+    should depend on none (free to overlap any attention call); a group_reduce transfer on its own stage's
+    backward call alone."""
+    comps = parse_hlo(text)
+    deps: dict[str, dict[str, str]] = {}
+    for comp, instrs in comps.items():
+        if comp == "__entry__":
+            continue
+        by_name = {i["name"]: i for i in instrs}
+        ffa = {}
+        for i in instrs:
+            if _is_ffa(i):
+                ffa[i["name"]] = i["target"]
+            elif any(_contains(comps, c, _is_ffa) for c in i["called"]):
+                ffa[i["name"]] = "nested"
+        for ins in instrs:
+            holds = _is_collective(ins) or any(_contains(comps, c, _is_collective) for c in ins["called"])
+            if not holds or ins["name"] in ffa or ins["opcode"].endswith("-done"):
+                continue
+            stack, seen, found = list(ins["operands"]), set(), {}
+            while stack:
+                n = stack.pop()
+                if n in seen or n not in by_name:
+                    continue
+                seen.add(n)
+                if n in ffa:
+                    found[n] = ffa[n]
+                stack.extend(by_name[n]["operands"])
+            deps[ins["name"]] = found
+    return deps
+
+
+def count_ops(text: str) -> dict[str, int]:
+    """FFA calls, range-op calls and collectives anywhere in the module."""
+    comps = parse_hlo(text)
+    instrs = [i for c, v in comps.items() if c != "__entry__" for i in v]
+    return {"ffa": sum(map(_is_ffa, instrs)),
+            "range_ops": sum(1 for i in instrs if (i["target"] or "").startswith("magi_jax_range")),
+            "collectives": sum(1 for i in instrs if _is_collective(i) and not i["opcode"].endswith("-done"))}
+
+
+def async_overlap(text: str) -> list[dict]:
+    """For a scheduled module (GPU: collectives split into start/done), per async collective in execution
+    order: its start and done names and the FFA calls scheduled between them (the kernels it can overlap)."""
+    comps = parse_hlo(text)
+    entry = comps.get("__entry__", [])
+    result = []
+    for i, ins in enumerate(entry):
+        holds = _is_collective(ins) or any(_contains(comps, c, _is_collective) for c in ins["called"])
+        if not (holds and ins["opcode"].endswith("-start")):
+            continue
+        for j in range(i + 1, len(entry)):
+            if entry[j]["opcode"].endswith("-done") and ins["name"] in entry[j]["operands"]:
+                between = [e["name"] for e in entry[i + 1:j]
+                           if _is_ffa(e) or any(_contains(comps, c, _is_ffa) for c in e["called"])]
+                result.append({"start": ins["name"], "done": entry[j]["name"], "ffa_between": between})
+                break
+    return result
