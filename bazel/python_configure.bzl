@@ -68,6 +68,7 @@ cc_library(
     ),
     hdrs = glob(["nanobind/include/nanobind/**/*.h"]),
     copts = [
+        "-std=c++17",
         "-Os",
         "-fvisibility=hidden",
         "-fno-strict-aliasing",
