@@ -13,12 +13,13 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
               FFA(local q, stage i receive buffer, stage i slices) -> (out_i, lse_i)
               out, lse = lse-merge of all parts
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
-              FFA bwd(host) -> dq_h, dk, dv             -- with the merged out / lse (exact per part)
-              FFA bwd(stage i) -> dq_i, partial dk_i/dv_i over the receive buffer
+              FFA bwd(stage i) -> dq_i, partial dk_i/dv_i over the receive buffer (with the merged out/lse)
               group_reduce(dk_i, dv_i) -> summed into the owners' dk, dv in float32; dq stays local
+              FFA bwd(host) -> dq_h, dk_h, dv_h          -- last: it hides the last group_reduce
 
-No collective depends on an attention call, so XLA's latency-hiding scheduler is free to run stage i's
-transfer under stage i-1's kernel (and group_reduce i under FFA bwd i+1). A plan of overlap degree 0 fetches
+No group_cast depends on an attention call and each group_reduce only on its own stage's backward call, so
+XLA's latency-hiding scheduler is free to run stage i's transfer under the host or stage i-1's kernel, and
+group_reduce i under FFA bwd i+1 (or the host's). A plan of overlap degree 0 fetches
 everything in one stage and runs one fused call over ``concat(local kv, received kv)``.
 """
 
@@ -357,15 +358,20 @@ def _backward_body(cfg: _Config, res, cts):
         dk = dkk[:L].astype(jnp.float32) + red_k
         dv = dvv[:L].astype(jnp.float32) + red_v
         return dq, dk.astype(k.dtype), dv.astype(v.dtype)
-    recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
-    dq, dk, dv = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
     if not tabs.stages:
-        return dq, dk, dv
-    dq, dk, dv = (x.astype(jnp.float32) for x in (dq, dk, dv))
+        return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
+    # Stages first, the host call last: stage i's group_reduce then runs under stage i+1's call and the last
+    # one under the host call. (The re-fetch is the forward's group_cast again; in one jitted module XLA
+    # merges the two, so the forward's receive buffers are reused rather than fetched twice.)
+    recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
+    dq = dk = dv = None
     for st, (rk, rv) in zip(tabs.stages, recv):
         dq_i, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r)
         red_k, red_v = group_reduce((dk_i, dv_i), st.tables, axis, L, jnp.float32, wire)
-        dq, dk, dv = dq + dq_i.astype(jnp.float32), dk + red_k, dv + red_v
+        dq_i = dq_i.astype(jnp.float32)
+        dq, dk, dv = (dq_i, red_k, red_v) if dq is None else (dq + dq_i, dk + red_k, dv + red_v)
+    dq_h, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
+    dq, dk, dv = dq + dq_h.astype(jnp.float32), dk + dk_h.astype(jnp.float32), dv + dv_h.astype(jnp.float32)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

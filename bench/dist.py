@@ -1,0 +1,440 @@
+"""Distributed attention benchmark (issue 6, item 8): magi_jax against the usual context-parallel schemes,
+all running the same FFA kernel, on every visible GPU (2 or more).
+
+Methods (TFLOP/s per GPU on the unmasked area: forward 4 * area * Hq * D, forward+backward 3.5x):
+  magi       magi_jax.calc_attn: comm-aware dispatch, group_cast of the keys each rank needs, overlap stages
+             (the plan's "auto" degree), lse merge; custom backward with group_reduce of partial dK/dV.
+  allgather  zigzag dispatch (rank r holds chunks r and 2cp-1-r of every 2cp), all-gather of K and V, one
+             FFA call per rank over all keys; autodiff backward (reduce-scatter of dK/dV), as MaxText and
+             Transformer Engine do.
+  ring       zigzag dispatch, K/V passed around the ring with ppermute (cp-1 steps), one FFA call per step,
+             lse merge; autodiff backward (dK/dV travel back around the ring).
+  single     single-GPU FFA on one GPU's share of the work: the queries and keys of magi's most loaded
+             rank, no communication (the target's denominator: magi >= 0.95x of it per GPU).
+
+Masks: varlen causal and varlen block-causal (block 2048), documents of exponential length (mean 4096, at
+least 256), 64k tokens per GPU by default; bf16, 16 heads, head dim 128. Appends a table to BENCHMARKS.md
+(--no-append to skip) and writes JSON to $OUT/dist_bench.json when OUT is set.
+
+    python bench/dist.py                                    # 2+ GPUs
+    python bench/dist.py --profile /tmp/trace               # also a jax.profiler trace of magi fwd+bwd
+    python bench/dist.py --platform cpu --gpus 4 --tokens-per-gpu 512 --heads 2 --head-dim 64 \\
+        --dtype float32 --no-append                         # smoke run on host devices
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import json
+import os
+import pathlib
+import sys
+import time
+import traceback
+
+if "--platform" in sys.argv and sys.argv[sys.argv.index("--platform") + 1:][:1] == ["cpu"]:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import magi_jax as mj  # noqa: E402
+from magi_jax import dist_attn, ffa, masks  # noqa: E402
+from magi_jax.mask import AttnMask, slice_areas  # noqa: E402
+from magi_jax.planner import make_plan  # noqa: E402
+from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
+from bench.common import append_report, attention_flops, markdown_table, median_seconds  # noqa: E402
+
+METHODS = ("magi", "allgather", "ring", "single")
+
+
+def doc_lengths(total: int, seed: int, mean: int = 4096, lo: int = 256) -> list[int]:
+    """Exponential document lengths (mean `mean`, at least `lo`) filling `total` tokens."""
+    rng = np.random.default_rng(seed)
+    lens: list[int] = []
+    while sum(lens) < total:
+        n = int(max(lo, rng.exponential(mean)))
+        lens.append(min(n, total - sum(lens)))
+    return lens
+
+
+def make_mask(name: str, total: int, seed: int = 0, block: int = 2048) -> AttnMask:
+    lens = doc_lengths(total, seed)
+    if name == "varlen_causal":
+        return masks.varlen_causal(lens)
+    if name == "varlen_block_causal":
+        return masks.block_causal(lens, block)
+    raise ValueError(f"mask: unknown {name!r}")
+
+
+# ------------------------------------------------------------------------------------------ slice tables
+
+def source_slices(plan: DistAttnPlan) -> list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """[r][s]: rank r's slices whose keys live on rank s, keys in s's local coordinates. From a degree-0
+    plan: host slices are s == r; the one stage's slices map through its transfer rows (each slice's keys
+    lie inside one row's destination range)."""
+    if plan.num_stages > 1:
+        raise ValueError("source_slices: needs a plan with overlap=0")
+    cp = plan.cp
+    out = [[(np.zeros((0, 2), np.int32), np.zeros((0, 2), np.int32), np.zeros(0, np.int32))
+            for _ in range(cp)] for _ in range(cp)]
+    for r in range(cp):
+        out[r][r] = plan.host.of_rank(r)
+    if not plan.stages:
+        return out
+    st = plan.stages[0]
+    t = st.transfers
+    for r in range(cp):
+        q, k, ty = st.slices.of_rank(r)
+        rows = np.flatnonzero(t.dst == r)
+        lo, hi = t.dst_start[rows], t.dst_start[rows] + (t.src_end[rows] - t.src_start[rows])
+        which = np.searchsorted(hi, k[:, 0], side="right")
+        assert (which < len(rows)).all() and (k[:, 1] <= hi[which]).all() and (k[:, 0] >= lo[which]).all()
+        row = rows[which]
+        src = t.src[row]
+        k_src = k - t.dst_start[row][:, None] + t.src_start[row][:, None]
+        for s in range(cp):
+            m = src == s
+            if s != r:
+                out[r][s] = (q[m], k_src[m].astype(np.int32), ty[m])
+    return out
+
+
+def stack_slices(per_rank: list[tuple[np.ndarray, np.ndarray, np.ndarray]]):
+    """Per-rank slice lists -> int32 [cp, N, 2], [cp, N, 2], [cp, N] padded with empty slices."""
+    cp = len(per_rank)
+    n = max(1, max(len(x[0]) for x in per_rank))
+    q = np.zeros((cp, n, 2), np.int32)
+    k = np.zeros((cp, n, 2), np.int32)
+    t = np.zeros((cp, n), np.int32)
+    for r, (a, b, c) in enumerate(per_rank):
+        q[r, :len(a)], k[r, :len(a)], t[r, :len(a)] = a, b, c
+    return q, k, t
+
+
+def area_of(slices) -> int:
+    q, k, t = slices
+    return int(slice_areas(q.reshape(-1, 2).astype(np.int64), k.reshape(-1, 2).astype(np.int64),
+                           t.reshape(-1)).sum())
+
+
+# ---------------------------------------------------------------------------------------------- methods
+# Each builder returns (fn(q_d, k_d, v_d) -> (out_d, lse_d) on dispatched arrays, the plan that dispatches).
+
+def _ffa(q, k, v, rows, scale):
+    return ffa._ffa(q, k, v, *rows, scale, 0.0, False)
+
+
+def build_magi(mask, mesh, args):
+    mp = mj.plan(mask, mesh, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
+                 overlap=args.overlap if args.overlap == "auto" else int(args.overlap))
+    return (lambda q, k, v: mj.calc_attn(q, k, v, mp, transport=args.transport)), mp
+
+
+def _zigzag(mask, mesh, args) -> DistAttnPlan:
+    return make_plan(mask, mesh.shape["cp"], solver="zigzag", overlap=0, num_heads_q=args.heads,
+                     num_heads_kv=args.kv_heads, head_dim=args.head_dim)
+
+
+def build_allgather(mask, mesh, args):
+    plan = _zigzag(mask, mesh, args)
+    cp, L = plan.cp, plan.local_len
+    src = source_slices(plan)
+    tables = stack_slices([
+        tuple(np.concatenate(parts) for parts in zip(*[(q, k + s * L, t) for s, (q, k, t) in enumerate(src[r])]))
+        for r in range(cp)])
+    scale = args.head_dim ** -0.5
+
+    def body(q, k, v):
+        r = jax.lax.axis_index("cp")
+        k_all = jax.lax.all_gather(k, "cp", tiled=True)
+        v_all = jax.lax.all_gather(v, "cp", tiled=True)
+        return _ffa(q, k_all, v_all, [jnp.asarray(a)[r] for a in tables], scale)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=(P("cp"), P("cp")), check_vma=False)
+    return fn, plan
+
+
+def build_ring(mask, mesh, args):
+    plan = _zigzag(mask, mesh, args)
+    cp = plan.cp
+    src = source_slices(plan)
+    # Step j: rank r holds the kv of rank (r - j) % cp.
+    steps = [stack_slices([src[r][(r - j) % cp] for r in range(cp)]) for j in range(cp)]
+    busy = [any(len(src[r][(r - j) % cp][0]) for r in range(cp)) for j in range(cp)]
+    scale = args.head_dim ** -0.5
+    shift = [(i, (i + 1) % cp) for i in range(cp)]
+
+    def body(q, k, v):
+        r = jax.lax.axis_index("cp")
+        parts = []
+        for j in range(cp):
+            if j:
+                k, v = jax.lax.ppermute((k, v), "cp", shift)
+            if busy[j]:
+                parts.append(_ffa(q, k, v, [jnp.asarray(a)[r] for a in steps[j]], scale))
+        return dist_attn._merge(parts, q.dtype)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=(P("cp"), P("cp")), check_vma=False)
+    return fn, plan
+
+
+def single_share(mask, args, cp: int):
+    """The most loaded rank of magi's plan with everything fetched (degree 0): its queries [L], keys
+    [L + buffer] and fused slices, for one GPU. Returns (slices, L, key length, area)."""
+    plan = make_plan(mask, cp, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
+                     overlap=0)
+    fused = plan.fused_slices()
+    r = int(np.argmax(plan.stats().area))
+    rows = fused.of_rank(r)
+    tk = plan.local_len + (plan.stages[0].buffer_len if plan.stages else 0)
+    return rows, plan.local_len, tk, area_of(tuple(x[None] for x in rows))
+
+
+# ----------------------------------------------------------------------------------------------- running
+
+def fwd_bwd(fn):
+    """jit of (forward, then the gradient of sum(out)) returning dq, dk, dv: forward included."""
+    def loss(q, k, v):
+        return fn(q, k, v)[0].astype(jnp.float32).sum()
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def rel_diff(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
+    n = mesh.shape["cp"]
+    total = args.tokens_per_gpu * n
+    mask = make_mask(name, total, seed=args.seed)
+    area = mask.area()
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(args.seed), 3)
+    shapes = ((total, args.heads, args.head_dim), (total, args.kv_heads, args.head_dim))
+    q, k, v = (jax.random.normal(kk, shapes[min(i, 1)], jnp.float32).astype(dtype) for i, kk in enumerate(keys))
+    print(f"\n{name}: {total} tokens on {n} GPUs, {mask.num_slices} slices, area {area:.4g} "
+          f"({area / total / total:.2%} of dense)", flush=True)
+    reference = None
+    builders = {"magi": build_magi, "allgather": build_allgather, "ring": build_ring}
+    for method in args.methods:
+        row = {"mask": name, "method": method, "gpus": n, "tokens": total, "area": area}
+        try:
+            if method == "single":
+                rows, tq, tk, share = single_share(mask, args, n)
+                dev = jax.devices(args.platform)[0]
+                sk = jax.random.split(jax.random.key(1), 3)
+                qs, ks, vs = (jax.device_put(jax.random.normal(kk, (t, h, args.head_dim), jnp.float32).astype(dtype),
+                                             dev)
+                              for kk, t, h in zip(sk, (tq, tk, tk), (args.heads, args.kv_heads, args.kv_heads)))
+                rr = tuple(jax.device_put(jnp.asarray(x), dev) for x in rows)
+                fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, *rr)
+                inputs, work, note = (qs, ks, vs), share, f"rank share {share / area * n:.3f} x mean"
+                row["share_area"] = share
+            else:
+                fn, plan = builders[method](mask, mesh, args)
+                inputs = tuple(mj.dispatch(x, plan, mesh=mesh) for x in (q, k, v))
+                work, note = area / n, ""
+                if method == "magi":
+                    s = plan.stats()
+                    note = (f"stages {plan.num_stages}, imbalance {s.imbalance:.3f}, max remote keys "
+                            f"{int(s.remote_keys.max())}")
+                    row.update(stages=plan.num_stages, imbalance=float(s.imbalance),
+                               max_remote_keys=int(s.remote_keys.max()))
+            f = jax.jit(fn)
+            g = fwd_bwd(fn)
+            out = f(*inputs)[0]
+            if method != "single":
+                got = mj.undispatch(out, plan, mesh=mesh)
+                if reference is None:
+                    reference = got
+                else:
+                    row["rel_diff_vs_first"] = rel_diff(got, reference)
+            for label, func, backward in (("fwd", f, False), ("fwd+bwd", g, True)):
+                t = median_seconds(func, *inputs, warmup=args.warmup, reps=args.reps)
+                tf = attention_flops(int(work), args.heads, args.head_dim, backward) / t / 1e12
+                results.append({**row, "pass": label, "ms": t * 1e3, "tflops_per_gpu": tf, "note": note})
+                print(f"  {method:9s} {label:7s} {t * 1e3:9.3f} ms  {tf:7.1f} TFLOP/s per GPU  {note}"
+                      + (f"  (out vs {args.methods[0]}: {row['rel_diff_vs_first']:.1e})"
+                         if "rel_diff_vs_first" in row else ""), flush=True)
+        except Exception as e:  # a failing baseline must not hide the others
+            traceback.print_exc()
+            results.append({**row, "pass": "error", "ms": float("nan"), "tflops_per_gpu": float("nan"),
+                            "note": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(f"  {method}: FAILED {type(e).__name__}: {e}", flush=True)
+
+
+def report(results: list[dict], args, n: int) -> str:
+    def tf(mask, method, p):
+        for r in results:
+            if r["mask"] == mask and r["method"] == method and r["pass"] == p:
+                return r["tflops_per_gpu"]
+        return float("nan")
+
+    rows, verdicts = [], []
+    for mask in dict.fromkeys(r["mask"] for r in results):
+        for p in ("fwd", "fwd+bwd"):
+            magi = tf(mask, "magi", p)
+            cells = []
+            for m in args.methods:
+                r = next((r for r in results if r["mask"] == mask and r["method"] == m and r["pass"] == p), None)
+                cells.append("-" if r is None else f"{r['tflops_per_gpu']:.1f} ({r['ms']:.2f})")
+            ratios = [f"{magi / tf(mask, m, p):.2f}" if m != "magi" and tf(mask, m, p) > 0 else "-"
+                      for m in args.methods if m != "magi"]
+            rows.append([mask, p, *cells, *ratios])
+            if p == "fwd+bwd" and mask == "varlen_causal":
+                for m, target in (("single", 0.95), ("allgather", 1.15), ("ring", 1.5)):
+                    if m in args.methods:
+                        x = magi / tf(mask, m, p)
+                        verdicts.append(f"magi / {m} = {x:.2f} (target >= {target}: {'met' if x >= target else 'MISSED'})")
+    header = ["mask", "pass", *[f"{m} TFLOP/s per GPU (ms)" for m in args.methods],
+              *[f"magi / {m}" for m in args.methods if m != "magi"]]
+    notes = (f"{n} GPUs, {args.tokens_per_gpu} tokens per GPU, {jnp.dtype(args.dtype).name}, {args.heads} q heads, "
+             f"{args.kv_heads} kv heads, D {args.head_dim}; median of {args.reps} after {args.warmup} warm-up; "
+             f"TFLOP/s per GPU on the unmasked area (single: on its share). Targets (varlen causal, fwd+bwd): "
+             + ("; ".join(verdicts) if verdicts else "not evaluated"))
+    extra = [f"{r['mask']}: magi {r['note']}" for r in results if r["method"] == "magi" and r["pass"] == "fwd"]
+    return markdown_table(header, rows), notes + ("\n" + "\n".join(extra) if extra else "")
+
+
+# --------------------------------------------------------------------------------------------- profiling
+
+def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
+    """A jax.profiler trace of magi's forward+backward on the first mask, the compiled schedule (which
+    attention calls sit between each async transfer's start and done), and the kernel overlap measured in
+    the trace (NCCL kernels running while attention kernels run)."""
+    from tests.test_dist_helpers import async_overlap, collective_dependencies
+    n = mesh.shape["cp"]
+    mask = make_mask(args.masks[0], args.tokens_per_gpu * n, seed=args.seed)
+    fn, mp = build_magi(mask, mesh, args)
+    dtype = jnp.dtype(args.dtype)
+    shape_q = (mp.padded_seqlen, args.heads, args.head_dim)
+    shape_k = (mp.padded_seqlen, args.kv_heads, args.head_dim)
+    sh = NamedSharding(mesh, P("cp"))
+    q, k, v = (jax.device_put(jax.random.normal(jax.random.key(i), s, jnp.float32).astype(dtype), sh)
+               for i, s in enumerate((shape_q, shape_k, shape_k)))
+    g = fwd_bwd(fn)
+    text = g.lower(q, k, v).compile().as_text()
+    (log_dir / "hlo").mkdir(parents=True, exist_ok=True)
+    (log_dir / "hlo" / "magi_fwd_bwd.txt").write_text(text)
+    print(f"\nprofile: {args.masks[0]}, {mp!r}")
+    deps = collective_dependencies(text)
+    waiting = {c: d for c, d in deps.items() if d}
+    print(f"collectives: {len(deps)}, of which {len(waiting)} wait for an attention call (group_reduce: each "
+          f"should wait for its own stage's backward only)")
+    for c, d in waiting.items():
+        print(f"  {c}: {sorted(t for t in d.values())}")
+    windows = async_overlap(text)
+    print(f"async collectives in the schedule: {len(windows)}; with attention calls inside: "
+          f"{sum(bool(w['ffa_between']) for w in windows)}")
+    for w in windows:
+        print(f"  {w['start']} .. {w['done']}: {w['ffa_between']}")
+    for _ in range(3):
+        jax.block_until_ready(g(q, k, v))
+    with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
+        for _ in range(3):
+            jax.block_until_ready(g(q, k, v))
+    traces = sorted(log_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=os.path.getmtime)
+    if not traces:
+        print("no perfetto trace written")
+        return
+    summarize_trace(traces[-1])
+
+
+def summarize_trace(path: pathlib.Path) -> dict:
+    """Per GPU: busy time of NCCL kernels, of attention (FFA) kernels, and how much NCCL time ran while an
+    attention kernel was running (interval intersection); the top kernels by time."""
+    data = json.load(gzip.open(path))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpus = {pid for pid, nm in names.items() if "GPU" in nm or "gpu" in nm}
+    summary = {}
+    for pid in sorted(gpus):
+        ks = [e for e in events if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e]
+        if not ks:
+            continue
+        is_nccl = lambda e: "nccl" in e["name"].lower()
+        is_attn = lambda e: any(s in e["name"].lower() for s in ("flash", "ffa", "fwd", "bwd", "dkdv"))
+        nccl = [(e["ts"], e["ts"] + e["dur"]) for e in ks if is_nccl(e)]
+        attn = sorted((e["ts"], e["ts"] + e["dur"]) for e in ks if is_attn(e) and not is_nccl(e))
+        merged = []
+        for a, b in attn:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        overlap = 0.0
+        for a, b in nccl:
+            for c, d in merged:
+                if c >= b:
+                    break
+                overlap += max(0.0, min(b, d) - max(a, c))
+        total = {}
+        for e in ks:
+            total[e["name"]] = total.get(e["name"], 0.0) + e["dur"]
+        top = sorted(total.items(), key=lambda x: -x[1])[:10]
+        nccl_us = sum(b - a for a, b in nccl)
+        attn_us = sum(b - a for a, b in merged)
+        summary[names[pid]] = {"nccl_us": nccl_us, "attention_us": attn_us, "nccl_overlapping_attention_us": overlap}
+        print(f"{names[pid]}: NCCL kernels {nccl_us / 1e3:.3f} ms, attention kernels {attn_us / 1e3:.3f} ms, NCCL "
+              f"time overlapping attention {overlap / 1e3:.3f} ms ({overlap / max(nccl_us, 1e-9):.0%} of NCCL)")
+        for nm, us in top:
+            print(f"    {us / 1e3:9.3f} ms  {nm[:110]}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--platform", default="gpu", choices=["gpu", "cpu"])
+    ap.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
+    ap.add_argument("--tokens-per-gpu", type=int, default=65536)
+    ap.add_argument("--masks", nargs="+", default=["varlen_causal", "varlen_block_causal"])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--overlap", default="auto")
+    ap.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ppermute"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--profile", type=pathlib.Path, default=None, help="trace magi fwd+bwd into this folder")
+    ap.add_argument("--profile-only", action="store_true")
+    args = ap.parse_args(argv)
+    devices = jax.devices(args.platform)
+    n = args.gpus or len(devices)
+    if n < 2 or len(devices) < n:
+        print(f"bench/dist.py: needs at least 2 {args.platform} devices (have {len(devices)})", file=sys.stderr)
+        return 2
+    mesh = Mesh(np.array(devices[:n]), ("cp",))
+    print(f"{n} x {devices[0].device_kind}, jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    if args.profile is not None:
+        profile(args, mesh, args.profile)
+        if args.profile_only:
+            return 0
+    results: list[dict] = []
+    for name in args.masks:
+        run_mask(name, args, mesh, results)
+    table, notes = report(results, args, n)
+    print("\n" + table + "\n\n" + notes)
+    out = os.environ.get("OUT")
+    if out:
+        pathlib.Path(out, "dist_bench.json").write_text(json.dumps(results, indent=1))
+    if not args.no_append:
+        append_report(f"Distributed attention, {n} GPUs", table, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+#!/bin/bash
+# One call on the 2-GPU device machine (issue 6): build the package, run the gpu-marked distributed tests,
+# profile the overlapped forward+backward (compiled schedule + jax.profiler trace, with the default XLA flags
+# and with the latency-hiding-scheduler flags spelled out), then run bench/dist.py. Logs go to $OUT (at most
+# 8 files come back: summary.txt, build.log, tests.log, profile.log, trace_default.json.gz,
+# trace_flags.json.gz, bench.log, dist_bench.json).
+#
+#   bash bench/dist_device_run.sh                       # all steps (may pass the 10-minute limit of one call)
+#   bash bench/dist_device_run.sh build tests           # then, on the same (warm) machine:
+#   bash bench/dist_device_run.sh build profile bench   # (the second build is incremental: seconds)
+#
+# Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, FLAGS_VARIANT (the XLA flags of the second
+# profile), *_TIMEOUT (seconds per step). Every step is time-limited so that partial results come back.
+set -u
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-/tmp/magi_dist_out}
+mkdir -p "$OUT"
+STEPS=${*:-build tests profile bench}
+SUMMARY="$OUT/summary.txt"
+FLAGS_VARIANT=${FLAGS_VARIANT:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_experimental_parallel_collective_overlap_limit=2}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+{
+  echo "steps: $STEPS"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv 2>&1
+  nvidia-smi topo -m 2>&1 | head -5
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -1
+} > "$SUMMARY"
+
+step() {  # step NAME TIMEOUT LOG COMMAND...
+  local name=$1 limit=$2 log=$3
+  shift 3
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >> "$log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc in $(( $(date +%s) - t0 )) s" | tee -a "$SUMMARY"
+  return $rc
+}
+
+for s in $STEPS; do
+  case $s in
+    build)
+      : > "$OUT/build.log"
+      step build "${BUILD_TIMEOUT:-240}" "$OUT/build.log" \
+        python3 -m pip install --no-build-isolation --no-deps -e . || { tail -30 "$OUT/build.log"; exit 1; }
+      python3 -c "from magi_jax import _ffi; print('CUDA library:', _ffi.HAS_CUDA_LIBRARY)" >> "$SUMMARY" 2>&1
+      ;;
+    tests)
+      : > "$OUT/tests.log"
+      step tests "${TEST_TIMEOUT:-300}" "$OUT/tests.log" \
+        python3 -m pytest -q -rfE -p no:cacheprovider --durations=10 -s tests/test_dist_gpu.py ${TESTS:-}
+      grep -E "passed|failed|error" "$OUT/tests.log" | tail -3 >> "$SUMMARY"
+      grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30 >> "$SUMMARY"
+      ;;
+    profile)
+      : > "$OUT/profile.log"
+      for variant in default flags; do
+        dir=/tmp/magi_dist_trace_$variant
+        rm -rf "$dir"
+        echo "=== profile, XLA flags: $variant" >> "$OUT/profile.log"
+        if [ $variant = default ]; then
+          step "profile ($variant)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
+            python3 bench/dist.py --profile "$dir" --profile-only --masks varlen_causal ${PROFILE_ARGS:-}
+        else
+          step "profile ($variant)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
+            env XLA_FLAGS="${XLA_FLAGS:-} $FLAGS_VARIANT" python3 bench/dist.py --profile "$dir" --profile-only \
+            --masks varlen_causal ${PROFILE_ARGS:-}
+        fi
+        trace=$(ls -t "$dir"/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)
+        if [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ]; then
+          cp "$trace" "$OUT/trace_$variant.json.gz"
+        else
+          echo "trace ($variant): missing or over 15 MB: $trace" >> "$SUMMARY"
+        fi
+      done
+      grep -E "^(profile|collectives|async collectives|/device|.*NCCL kernels)" "$OUT/profile.log" >> "$SUMMARY"
+      ;;
+    bench)
+      : > "$OUT/bench.log"
+      lines=$(wc -l < BENCHMARKS.md)
+      step bench "${BENCH_TIMEOUT:-360}" "$OUT/bench.log" python3 bench/dist.py ${BENCH_ARGS:-}
+      echo "--- appended to BENCHMARKS.md:" >> "$SUMMARY"
+      tail -n +"$((lines + 1))" BENCHMARKS.md >> "$SUMMARY"
+      ;;
+    *) echo "unknown step $s (build, tests, profile, bench)" | tee -a "$SUMMARY" ;;
+  esac
+done
+cat "$SUMMARY"
