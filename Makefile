@@ -24,6 +24,7 @@ install: $(VENV)/.installed
 
 demo: install
 	$(PY) -m magi_jax demo
+	$(PY) examples/train_lm.py --steps 20
 
 test: install
 	$(PY) -m pytest -q
