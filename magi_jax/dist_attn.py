@@ -140,16 +140,40 @@ def _spec(mesh: Mesh, p: DistAttnPlan, shape: tuple, seq_dim: int, batch_axes, h
 # ---------------------------------------------------------------------------------------------------------
 # dispatch / undispatch / position_ids: the plan's static permutation, each the other's transpose.
 
+def _explicit_sharding(x):
+    """x's NamedSharding when it is typed with Explicit mesh axes (jax.make_mesh's default), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if mesh is None or explicit is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
+        return None
+    return sharding
+
+
+def _take(x, index: np.ndarray, seq_dim: int):
+    """jnp.take along seq_dim by a static index; with Explicit axes the token dim is first gathered whole
+    (the other dims keep their sharding), as Auto axes do implicitly."""
+    sharding = _explicit_sharding(x)
+    if sharding is not None:
+        spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+        if spec[seq_dim] is not None:
+            spec[seq_dim] = None
+            x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
+    return jnp.take(x, jnp.asarray(index), axis=seq_dim)
+
+
 def _pad_take(x, p: DistAttnPlan, seq_dim: int):
     pad = [(0, 0)] * x.ndim
     pad[seq_dim] = (0, p.padded_seqlen - p.seqlen)
-    return jnp.take(jnp.pad(x, pad), jnp.asarray(p.position_ids()), axis=seq_dim)
+    return _take(jnp.pad(x, pad), p.position_ids(), seq_dim)
 
 
 def _drop_take(x, p: DistAttnPlan, seq_dim: int):
-    return jnp.take(x, jnp.asarray(p.undispatch_perm), axis=seq_dim)
+    return _take(x, p.undispatch_perm, seq_dim)
 
 
+# The permutations' gradients are each other (a gather, not the scatter-add autodiff would make). With
+# Explicit mesh axes, whose cotangents must carry the primal's sharding type, autodiff's transpose is used.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _dispatch(x, p, seq_dim):
     return _pad_take(x, p, seq_dim)
@@ -175,12 +199,21 @@ def _check_seq(name: str, x, seq_dim: int, expect: int, what: str) -> int:
     return seq_dim
 
 
+def _place(x, mesh: Mesh, spec: P):
+    """x laid out as ``spec`` on ``mesh``: ``reshard`` where the mesh's axes are Explicit (jax.make_mesh's
+    default), a sharding constraint where they are Auto."""
+    sharding = NamedSharding(mesh, spec)
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if explicit is not None and explicit in tuple(getattr(mesh, "axis_types", ())):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def _constrain(x, mesh: Mesh | None, p: DistAttnPlan, seq_dim: int, batch_axes):
     if mesh is None:
         return x
     _need_mesh(p, mesh, "dispatch")
-    return jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, _spec(mesh, p, x.shape, seq_dim, batch_axes)))
+    return _place(x, mesh, _spec(mesh, p, x.shape, seq_dim, batch_axes))
 
 
 def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, mesh: Mesh | None = None,
@@ -192,7 +225,8 @@ def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, m
     p, mesh = _split(plan, mesh)
     x = jnp.asarray(x)
     seq_dim = _check_seq("x", x, seq_dim, p.seqlen, "the plan's seqlen")
-    return _constrain(_dispatch(x, p, seq_dim), mesh, p, seq_dim, batch_axes)
+    permute = _pad_take if _explicit_sharding(x) is not None else _dispatch
+    return _constrain(permute(x, p, seq_dim), mesh, p, seq_dim, batch_axes)
 
 
 def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, mesh: Mesh | None = None
@@ -202,7 +236,7 @@ def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0,
     p, mesh = _split(plan, mesh)
     x = jnp.asarray(x)
     seq_dim = _check_seq("x", x, seq_dim, p.padded_seqlen, "the plan's padded_seqlen")
-    return _undispatch(x, p, seq_dim)
+    return (_drop_take if _explicit_sharding(x) is not None else _undispatch)(x, p, seq_dim)
 
 
 def position_ids(plan: MeshPlan | DistAttnPlan, *, mesh: Mesh | None = None) -> jax.Array:

@@ -274,3 +274,28 @@ def test_no_transfer_waits_for_another_stage(overlap):
         assert len(bwd) == 1, d
     # Every stage's reduce waits for a different backward call.
     assert len({n for d in reduces for n, t in d.items() if t == "magi_jax_ffa_bwd"}) == stages
+
+
+def test_explicit_mesh_from_make_mesh():
+    """jax.make_mesh gives Explicit axes: dispatch reshards, calc_attn and the gradients still match."""
+    mesh = jax.make_mesh((2, 4), ("dp", "cp"), devices=jax.devices("cpu")[:8])
+    mask = masks.prefix_lm(DOCS, [n // 2 for n in DOCS])
+    mp = mj.plan(mask, mesh, chunk_size=16, overlap=2, num_heads_q=2, head_dim=64)
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, 64)
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def loss(attn, q, k, v):
+        return (attn(q, k, v) * w).sum()
+
+    def dist(q, k, v):
+        qd, kd, vd = (mj.dispatch(x, mp) for x in (q, k, v))
+        assert jax.typeof(qd).sharding.spec[0] == "cp"
+        return mj.undispatch(mj.calc_attn(qd, kd, vd, mp)[0], mp)
+
+    local = lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0]
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, dist), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(functools.partial(loss, local), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
