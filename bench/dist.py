@@ -54,6 +54,7 @@ from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
 from bench.common import append_report, attention_flops, markdown_table, median_seconds  # noqa: E402
 
 METHODS = ("magi", "allgather", "ring", "single")
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a")       # magi with the transport forced (not run by default)
 
 
 def doc_lengths(total: int, seed: int, mean: int = 4096, lo: int = 256) -> list[int]:
@@ -133,10 +134,11 @@ def _ffa(q, k, v, rows, scale):
     return ffa._ffa(q, k, v, *rows, scale, 0.0, False)
 
 
-def build_magi(mask, mesh, args):
+def build_magi(mask, mesh, args, transport=None):
     mp = mj.plan(mask, mesh, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
                  overlap=args.overlap if args.overlap == "auto" else int(args.overlap))
-    return (lambda q, k, v: mj.calc_attn(q, k, v, mp, transport=args.transport)), mp
+    transport = transport or args.transport
+    return (lambda q, k, v: mj.calc_attn(q, k, v, mp, transport=transport)), mp
 
 
 def _zigzag(mask, mesh, args) -> DistAttnPlan:
@@ -225,7 +227,9 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
     print(f"\n{name}: {total} tokens on {n} GPUs, {mask.num_slices} slices, area {area:.4g} "
           f"({area / total / total:.2%} of dense)", flush=True)
     reference = None
-    builders = {"magi": build_magi, "allgather": build_allgather, "ring": build_ring}
+    builders = {"magi": build_magi, "allgather": build_allgather, "ring": build_ring,
+                "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
+                "magi_a2a": functools.partial(build_magi, transport="all_to_all")}
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n, "tokens": total, "area": area}
         try:
@@ -244,7 +248,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 fn, plan = builders[method](mask, mesh, args)
                 inputs = tuple(mj.dispatch(x, plan, mesh=mesh) for x in (q, k, v))
                 work, note = area / n, ""
-                if method == "magi":
+                if method.startswith("magi"):
                     s = plan.stats()
                     note = (f"stages {plan.num_stages}, imbalance {s.imbalance:.3f}, max remote keys "
                             f"{int(s.remote_keys.max())}")
@@ -398,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
     ap.add_argument("--tokens-per-gpu", type=int, default=65536)
     ap.add_argument("--masks", nargs="+", default=["varlen_causal", "varlen_block_causal"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)

@@ -221,7 +221,8 @@ def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, m
     """Global array (``plan.seqlen`` tokens along ``seq_dim``) -> dispatched order (``padded_seqlen``
     tokens: rank 0's local buffer, then rank 1's, ...; padding zero), sharded over the plan's axis (a
     leading batch dim, if any, over the other mesh axes: see ``calc_attn``). Any dtype; jit-able;
-    differentiable (its transpose is undispatch)."""
+    differentiable (its transpose is undispatch). On devices this is a global permutation (XLA gathers the
+    token axis first); a data loader can instead dispatch on the host: ``x_pad[plan.position_ids()]``."""
     p, mesh = _split(plan, mesh)
     x = jnp.asarray(x)
     seq_dim = _check_seq("x", x, seq_dim, p.seqlen, "the plan's seqlen")

@@ -299,3 +299,20 @@ def test_explicit_mesh_from_make_mesh():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_heads_over_a_tensor_parallel_axis():
+    """head_axes="tp" on a (tp 2, cp 4) mesh: each device holds half the heads; no all-gather appears."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("tp", "cp"))
+    mask = masks.sliding_window(DOCS, 30)
+    mp = mj.plan(mask, mesh, chunk_size=16, overlap=2, num_heads_q=4, num_heads_kv=2, head_dim=64)
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 4, 2, 64)
+    fn = global_fn(mp, head_axes="tp")
+    want = mj.flex_flash_attn(q, k, v, mask=mask)
+    for got, ref in zip(fn(q, k, v), want):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    qd = mj.dispatch(q, mp)
+    kd = mj.dispatch(k, mp)
+    text = jax.jit(lambda q, k: mj.calc_attn(q, k, k, mp, head_axes="tp")).lower(qd, kd).compile().as_text()
+    assert "all-gather" not in text
