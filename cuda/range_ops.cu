@@ -1,11 +1,13 @@
 // CUDA range gather and range scatter-add (interface: ffi/range_ops_interface.h), exported as
-// MagiRangeGatherCuda and MagiRangeScatterAddCuda and registered by magi_jax/_ffi.py for platform "CUDA".
+// MagiRangeGatherCuda, MagiRangeScatterAddCuda and MagiRangeScatterAddIntoCuda and registered by
+// magi_jax/_ffi.py for platform "CUDA".
 // They pack and unpack the buffers of the group collectives (magi_jax/comm.py).
 //
 // One kernel in "gather form" serves both: a CTA owns kRows output rows x (threads * kVec) columns of one
 // array, keeps them in float registers, walks the range table in order (staged through shared memory) and
 // adds every input row that a range maps into its rows; then it rounds once and stores. Every output element
-// has one owner: no atomics, no pre-zeroing, deterministic sums, each output byte written once.
+// has one owner: no atomics, no pre-zeroing, deterministic sums, each output byte written once (the "into"
+// variant reads and writes only the rows some range covers).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -73,7 +75,9 @@ __device__ __forceinline__ void Store(T* p, int n, const float (&v)[kVec]) {
 }
 
 // kAligned: every array's feature count is a multiple of kVec (rows then start on kVec-element boundaries).
-template <typename Tin, typename Tout, bool kAligned>
+// kInto: out already holds the initial values; rows no range covers are not touched, covered rows become
+// out + sum.
+template <typename Tin, typename Tout, bool kAligned, bool kInto>
 __global__ void __launch_bounds__(kMaxThreads)
     RangeSumKernel(const int32_t* __restrict__ ranges, int num_ranges, bool gather,
                    const __grid_constant__ Arrays arrays, int64_t in_rows,
@@ -93,6 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
     for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
 
+  uint32_t covered = 0;  // bit r: some range maps into CTA row r (the same in every thread)
   for (int base = 0; base < num_ranges; base += kRangeTile) {
     const int n = min(kRangeTile, num_ranges - base);
     __syncthreads();
@@ -113,6 +118,7 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         if (r >= sp.y && r < sp.y + sp.z) {
+          covered |= 1u << r;
           float v[kVec];
           Load<kAligned>(in + (first_in + r) * f + col, n_cols, v);
 #pragma unroll
@@ -123,12 +129,22 @@ __global__ void __launch_bounds__(kMaxThreads)
   }
   if (n_cols <= 0) return;
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
-    if (r0 + r < out_rows) Store<kAligned>(out + (r0 + r) * f + col, n_cols, acc[r]);
+  for (int r = 0; r < kRows; ++r) {
+    if (r0 + r >= out_rows) continue;
+    Tout* dst = out + (r0 + r) * f + col;
+    if constexpr (kInto) {
+      if (!(covered >> r & 1u)) continue;
+      float old[kVec];
+      Load<kAligned>(dst, n_cols, old);
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[r][e] += old[e];
+    }
+    Store<kAligned>(dst, n_cols, acc[r]);
+  }
 }
 
 template <typename Tin, typename Tout>
-cudaError_t LaunchRangeSum(cudaStream_t stream, const int32_t* ranges, int num_ranges, bool gather,
+cudaError_t LaunchRangeSum(cudaStream_t stream, const int32_t* ranges, int num_ranges, bool gather, bool into,
                            const Arrays& arrays, int num_arrays, int64_t in_rows, int64_t out_rows) {
   int64_t max_f = 0;
   bool aligned = true;
@@ -141,28 +157,33 @@ cudaError_t LaunchRangeSum(cudaStream_t stream, const int32_t* ranges, int num_r
   const int threads = int(std::min<int64_t>(kMaxThreads, (vecs + 31) / 32 * 32));
   const dim3 grid(unsigned((out_rows + kRows - 1) / kRows), unsigned((vecs + threads - 1) / threads),
                   unsigned(num_arrays));
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, threads, 0, stream>>>(ranges, num_ranges, gather, arrays, in_rows, out_rows);
+  };
   if (aligned) {
-    RangeSumKernel<Tin, Tout, true><<<grid, threads, 0, stream>>>(ranges, num_ranges, gather, arrays, in_rows,
-                                                                   out_rows);
+    into ? launch(RangeSumKernel<Tin, Tout, true, true>) : launch(RangeSumKernel<Tin, Tout, true, false>);
   } else {
-    RangeSumKernel<Tin, Tout, false><<<grid, threads, 0, stream>>>(ranges, num_ranges, gather, arrays, in_rows,
-                                                                    out_rows);
+    into ? launch(RangeSumKernel<Tin, Tout, false, true>) : launch(RangeSumKernel<Tin, Tout, false, false>);
   }
   return cudaGetLastError();
 }
 
 template <typename Tin>
 cudaError_t LaunchByOutType(ffi::DataType out_type, cudaStream_t stream, const int32_t* ranges, int num_ranges,
-                            bool gather, const Arrays& arrays, int num_arrays, int64_t in_rows, int64_t out_rows) {
+                            bool gather, bool into, const Arrays& arrays, int num_arrays, int64_t in_rows,
+                            int64_t out_rows) {
   if (out_type == ffi::DataType::F32)
-    return LaunchRangeSum<Tin, float>(stream, ranges, num_ranges, gather, arrays, num_arrays, in_rows, out_rows);
-  return LaunchRangeSum<Tin, Tin>(stream, ranges, num_ranges, gather, arrays, num_arrays, in_rows, out_rows);
+    return LaunchRangeSum<Tin, float>(stream, ranges, num_ranges, gather, into, arrays, num_arrays, in_rows,
+                                      out_rows);
+  return LaunchRangeSum<Tin, Tin>(stream, ranges, num_ranges, gather, into, arrays, num_arrays, in_rows, out_rows);
 }
 
+size_t ElementBytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
+
 ffi::Error RangeOp(const char* name, bool gather, cudaStream_t stream, ffi::Buffer<ffi::S32> ranges,
-                   ffi::RemainingArgs ins, ffi::RemainingRets outs) {
+                   ffi::RemainingArgs ins, ffi::RemainingRets outs, bool into = false) {
   RangeArray list[kMaxRangeArrays];
-  auto dims = CheckRangeOp(name, ranges, ins, outs, list);
+  auto dims = CheckRangeOp(name, ranges, ins, outs, list, into);
   if (dims.has_error()) return dims.error();
   constexpr int64_t kMaxRows = (int64_t(1) << 31) - kRows;
   if (dims->in_rows > kMaxRows || dims->out_rows > kMaxRows || dims->num_ranges > (int64_t(1) << 30))
@@ -172,21 +193,28 @@ ffi::Error RangeOp(const char* name, bool gather, cudaStream_t stream, ffi::Buff
     arrays.in[j] = list[j].in;
     arrays.out[j] = list[j].out;
     arrays.features[j] = list[j].features;
+    // into: the kernel reads the initial values from out, which XLA aliases to init; copy if it did not.
+    if (into && list[j].init != list[j].out) {
+      const size_t bytes = size_t(dims->out_rows) * list[j].features * ElementBytes(dims->out_type);
+      if (cudaError_t err = cudaMemcpyAsync(list[j].out, list[j].init, bytes, cudaMemcpyDeviceToDevice, stream);
+          err != cudaSuccess)
+        return ffi::Error(ffi::ErrorCode::kInternal, std::string(name) + ": " + cudaGetErrorString(err));
+    }
   }
   const int32_t* table = ranges.typed_data();
   const int m = int(dims->num_ranges), n = int(dims->num_arrays);
   cudaError_t err;
   switch (dims->in_type) {
     case ffi::DataType::BF16:
-      err = LaunchByOutType<__nv_bfloat16>(dims->out_type, stream, table, m, gather, arrays, n, dims->in_rows,
-                                           dims->out_rows);
+      err = LaunchByOutType<__nv_bfloat16>(dims->out_type, stream, table, m, gather, into, arrays, n,
+                                           dims->in_rows, dims->out_rows);
       break;
     case ffi::DataType::F16:
-      err = LaunchByOutType<__half>(dims->out_type, stream, table, m, gather, arrays, n, dims->in_rows,
+      err = LaunchByOutType<__half>(dims->out_type, stream, table, m, gather, into, arrays, n, dims->in_rows,
                                     dims->out_rows);
       break;
     default:
-      err = LaunchByOutType<float>(dims->out_type, stream, table, m, gather, arrays, n, dims->in_rows,
+      err = LaunchByOutType<float>(dims->out_type, stream, table, m, gather, into, arrays, n, dims->in_rows,
                                    dims->out_rows);
       break;
   }
@@ -205,6 +233,11 @@ ffi::Error RangeScatterAddImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ranges
   return RangeOp("magi_jax_range_scatter_add", false, stream, ranges, ins, outs);
 }
 
+ffi::Error RangeScatterAddIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
+                                   ffi::RemainingRets outs) {
+  return RangeOp("magi_jax_range_scatter_add_into", false, stream, ranges, ins, outs, true);
+}
+
 }  // namespace
 }  // namespace magi_jax::cuda
 
@@ -212,5 +245,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeGatherCuda, magi_jax::cuda::RangeGatherIm
                               magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()
                                                         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeScatterAddCuda, magi_jax::cuda::RangeScatterAddImpl,
+                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()
+                                                        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeScatterAddIntoCuda, magi_jax::cuda::RangeScatterAddIntoImpl,
                               magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()
                                                         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()));

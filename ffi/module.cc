@@ -22,6 +22,7 @@ NB_MODULE(_ffi_cpu, m) {
     targets["magi_jax_ffa_bwd"] = Capsule(MagiFfaBwdCpu);
     targets["magi_jax_range_gather"] = Capsule(MagiRangeGatherCpu);
     targets["magi_jax_range_scatter_add"] = Capsule(MagiRangeScatterAddCpu);
+    targets["magi_jax_range_scatter_add_into"] = Capsule(MagiRangeScatterAddIntoCpu);
     return targets;
   });
 }

@@ -1,10 +1,12 @@
 // Range gather and range scatter-add on the CPU (interface: range_ops_interface.h).
 //
-// Both are one loop in "gather form": each task owns a block of output rows, walks the range table in order,
-// and adds the rows of every range that lands in its block into a float accumulator; the block is then
-// rounded once to the output dtype. Every output row has one owner task: deterministic, no atomics.
+// All three are one loop in "gather form": each task owns a block of output rows, walks the range table in
+// order, and adds the rows of every range that lands in its block into a float accumulator; the block is
+// then rounded once to the output dtype (into: added to the row's value, rows no range covers left as they
+// are). Every output row has one owner task: deterministic, no atomics.
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -40,21 +42,30 @@ template <typename Tin, typename Tout>
 void RunRangeOp(const std::vector<Span>& spans, const RangeArray& a, int64_t out_rows) {
   const Tin* in = static_cast<const Tin*>(a.in);
   Tout* out = static_cast<Tout*>(a.out);
+  const Tout* init = static_cast<const Tout*>(a.init);
   const int64_t f = a.features, blocks = (out_rows + kRowBlock - 1) / kRowBlock;
+  if (init != nullptr && init != out) std::memcpy(out, init, sizeof(Tout) * out_rows * f);  // not aliased
   std::vector<std::vector<float>> acc(NumWorkers(blocks));
   ParallelFor(blocks, [&](int64_t b, int worker) {
     const int64_t r0 = b * kRowBlock, r1 = std::min(out_rows, r0 + kRowBlock);
     std::vector<float>& buf = acc[worker];
     buf.assign((r1 - r0) * f, 0.0f);
+    bool covered[kRowBlock] = {};
     for (const Span& s : spans) {
       const int64_t lo = std::max(r0, s.out_start), hi = std::min(r1, s.out_start + s.len);
       for (int64_t r = lo; r < hi; ++r) {
         const Tin* src = in + (s.in_start + (r - s.out_start)) * f;
         float* dst = buf.data() + (r - r0) * f;
         for (int64_t j = 0; j < f; ++j) dst[j] += ToFloat(src[j]);
+        covered[r - r0] = true;
       }
     }
-    for (int64_t i = 0; i < (r1 - r0) * f; ++i) out[r0 * f + i] = FromFloat<Tout>(buf[i]);
+    for (int64_t r = r0; r < r1; ++r) {
+      if (init != nullptr && !covered[r - r0]) continue;  // into: untouched rows keep their values
+      const float* row = buf.data() + (r - r0) * f;
+      Tout* o = out + r * f;
+      for (int64_t j = 0; j < f; ++j) o[j] = FromFloat<Tout>(row[j] + (init != nullptr ? ToFloat(o[j]) : 0.0f));
+    }
   });
 }
 
@@ -69,9 +80,9 @@ void DispatchRangeType(ffi::DataType dtype, Fn&& fn) {
 }
 
 ffi::Error RangeOp(const char* name, bool gather, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
-                   ffi::RemainingRets outs) {
+                   ffi::RemainingRets outs, bool into = false) {
   RangeArray arrays[kMaxRangeArrays];
-  auto dims = CheckRangeOp(name, ranges, ins, outs, arrays);
+  auto dims = CheckRangeOp(name, ranges, ins, outs, arrays, into);
   if (dims.has_error()) return dims.error();
   const std::vector<Span> spans =
       LoadSpans(ranges.typed_data(), dims->num_ranges, gather, dims->in_rows, dims->out_rows);
@@ -96,10 +107,16 @@ ffi::Error RangeScatterAddImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs 
   return RangeOp("magi_jax_range_scatter_add", false, ranges, ins, outs);
 }
 
+ffi::Error RangeScatterAddIntoImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs) {
+  return RangeOp("magi_jax_range_scatter_add_into", false, ranges, ins, outs, true);
+}
+
 }  // namespace
 }  // namespace magi_jax::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeGatherCpu, magi_jax::cpu::RangeGatherImpl,
                               magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeScatterAddCpu, magi_jax::cpu::RangeScatterAddImpl,
+                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeScatterAddIntoCpu, magi_jax::cpu::RangeScatterAddIntoImpl,
                               magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()));

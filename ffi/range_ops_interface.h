@@ -11,6 +11,9 @@
 //       y_j[dst_start + t] = x_j[src_start + t]        (destination rows no range covers are zero)
 //   magi_jax_range_scatter_add: (ranges, y_0 .. y_n-1) -> (x_0 .. x_n-1)
 //       x_j[src_start + t] += y_j[dst_start + t]       (starting from zero)
+//   magi_jax_range_scatter_add_into: (ranges, y_0 .. y_n-1, init_0 .. init_n-1) -> (x_0 .. x_n-1)
+//       the same starting from init_j, which x_j aliases (input_output_aliases): only rows some range
+//       covers are read and written, each as init + sum in float32, rounded once
 // The two are transposes of each other. A row that several ranges write receives their sum, added in float32
 // in the order of the table (deterministic; the output is rounded once). Inputs are [T_in, ...] and outputs
 // [T_out, ...] with the same trailing shape; the output dtype is the input's or float32. Dtypes: float32,
@@ -42,6 +45,7 @@ struct RangeArray {
   const void* in;
   void* out;
   int64_t features;
+  const void* init;  // scatter_add_into: the values out starts from (normally out itself, aliased)
 };
 
 struct RangeOpDims {
@@ -49,18 +53,20 @@ struct RangeOpDims {
   ffi::DataType in_type, out_type;
 };
 
-// Checks the table and the arrays (same count of inputs and outputs, one leading length per side, equal
-// trailing shapes, supported dtypes) and fills `arrays`.
+// Checks the table and the arrays (as many inputs as outputs, or twice as many with `into`: the inits
+// follow the inputs and match the outputs; one leading length per side, equal trailing shapes, supported
+// dtypes) and fills `arrays`.
 inline ffi::ErrorOr<RangeOpDims> CheckRangeOp(const char* op, const ffi::Buffer<ffi::S32>& ranges,
                                               const ffi::RemainingArgs& ins, const ffi::RemainingRets& outs,
-                                              RangeArray* arrays) {
+                                              RangeArray* arrays, bool into = false) {
   const std::string name(op);
   auto rd = ranges.dimensions();
   if (rd.size() != 2 || rd[1] != 3) return ffi::Error::InvalidArgument(name + ": ranges must be int32 [M, 3]");
-  if (ins.size() != outs.size() || ins.size() < 1 || ins.size() > kMaxRangeArrays)
-    return ffi::Error::InvalidArgument(name + ": takes 1 to 4 arrays and returns as many");
-  RangeOpDims dims{rd[0], -1, -1, int64_t(ins.size()), ffi::DataType::INVALID, ffi::DataType::INVALID};
-  for (size_t j = 0; j < ins.size(); ++j) {
+  const size_t n = outs.size();
+  if (ins.size() != (into ? 2 : 1) * n || n < 1 || n > size_t(kMaxRangeArrays))
+    return ffi::Error::InvalidArgument(name + ": takes 1 to 4 arrays (and as many inits) and returns as many");
+  RangeOpDims dims{rd[0], -1, -1, int64_t(n), ffi::DataType::INVALID, ffi::DataType::INVALID};
+  for (size_t j = 0; j < n; ++j) {
     auto in = ins.get<ffi::AnyBuffer>(j);
     auto out = outs.get<ffi::AnyBuffer>(j);
     if (in.has_error()) return in.error();
@@ -85,7 +91,16 @@ inline ffi::ErrorOr<RangeOpDims> CheckRangeOp(const char* op, const ffi::Buffer<
                (*out)->element_type() != dims.out_type) {
       return ffi::Error::InvalidArgument(name + ": all arrays must share leading lengths and dtypes");
     }
-    arrays[j] = RangeArray{in->untyped_data(), (*out)->untyped_data(), features};
+    arrays[j] = RangeArray{in->untyped_data(), (*out)->untyped_data(), features, nullptr};
+    if (into) {
+      auto init = ins.get<ffi::AnyBuffer>(n + j);
+      if (init.has_error()) return init.error();
+      auto nd = init->dimensions();
+      bool same = nd.size() == od.size() && init->element_type() == (*out)->element_type();
+      for (size_t a = 0; same && a < nd.size(); ++a) same = nd[a] == od[a];
+      if (!same) return ffi::Error::InvalidArgument(name + ": init " + std::to_string(j) + " differs from its output");
+      arrays[j].init = init->untyped_data();
+    }
   }
   auto supported = [](ffi::DataType t) {
     return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;

@@ -14,10 +14,12 @@ FFA_FWD = "magi_jax_ffa_fwd"
 FFA_BWD = "magi_jax_ffa_bwd"
 RANGE_GATHER = "magi_jax_range_gather"
 RANGE_SCATTER_ADD = "magi_jax_range_scatter_add"
+RANGE_SCATTER_ADD_INTO = "magi_jax_range_scatter_add_into"
 
 # Target name -> exported handler symbol of the CUDA library (cuda/).
 CUDA_SYMBOLS = {FFA_FWD: "MagiFfaFwdCuda", FFA_BWD: "MagiFfaBwdCuda", RANGE_GATHER: "MagiRangeGatherCuda",
-                RANGE_SCATTER_ADD: "MagiRangeScatterAddCuda"}
+                RANGE_SCATTER_ADD: "MagiRangeScatterAddCuda",
+                RANGE_SCATTER_ADD_INTO: "MagiRangeScatterAddIntoCuda"}
 CUDA_LIBRARY = "libmagi_jax_cuda.so"
 
 

@@ -91,11 +91,25 @@ def range_gather(xs: Sequence[jax.Array], ranges, out_len: int, out_dtype=None) 
     return _gather(xs, jnp.asarray(ranges, jnp.int32), int(out_len), out_dtype and jnp.dtype(out_dtype))
 
 
-def range_scatter_add(ys: Sequence[jax.Array], ranges, out_len: int, out_dtype=None) -> tuple[jax.Array, ...]:
+def range_scatter_add(ys: Sequence[jax.Array], ranges, out_len: int | None = None, out_dtype=None,
+                      init: Sequence[jax.Array] | None = None) -> tuple[jax.Array, ...]:
     """``x[src_start + t] += y[dst_start + t]`` from zero: the transpose of ``range_gather``. Sums are
-    taken in float32 in table order (deterministic) and rounded once to ``out_dtype`` (default: y's)."""
+    taken in float32 in table order (deterministic) and rounded once to ``out_dtype`` (default: y's).
+
+    With ``init`` (arrays [out_len, ...], float32 or y's dtype) the sums start from it instead, in place:
+    only rows some range covers are read and written (each ``init + sum``, rounded once)."""
     ys = _check_range_args("range_scatter_add", ys, ranges)
-    return _scatter_add(ys, jnp.asarray(ranges, jnp.int32), int(out_len), out_dtype and jnp.dtype(out_dtype))
+    ranges = jnp.asarray(ranges, jnp.int32)
+    if init is None:
+        return _scatter_add(ys, ranges, int(out_len), out_dtype and jnp.dtype(out_dtype))
+    init = tuple(init)
+    if len(init) != len(ys) or any(i.shape[1:] != y.shape[1:] or i.dtype != init[0].dtype or
+                                   i.shape[0] != init[0].shape[0] for i, y in zip(init, ys)):
+        raise ValueError("range_scatter_add: init must hold one array per y, of y's trailing shape, one length "
+                         "and one dtype")
+    if init[0].dtype not in (ys[0].dtype, jnp.float32):
+        raise ValueError(f"range_scatter_add: init dtype {init[0].dtype} must be float32 or y's {ys[0].dtype}")
+    return _scatter_add_into(ys, init, ranges)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -139,6 +153,28 @@ def _scatter_add_bwd(out_len, out_dtype, res, cts):
 
 
 _scatter_add.defvjp(_scatter_add_fwd, _scatter_add_bwd)
+
+
+@jax.custom_vjp
+def _scatter_add_into(ys, inits, ranges):
+    n = len(ys)
+    results = tuple(jax.ShapeDtypeStruct(i.shape, i.dtype) for i in inits)
+    call = jax.ffi.ffi_call(_ffi.RANGE_SCATTER_ADD_INTO, results,
+                            input_output_aliases={1 + n + j: j for j in range(n)})
+    return match_varying(call(ranges, *ys, *inits), ranges, *ys, *inits)
+
+
+def _scatter_add_into_fwd(ys, inits, ranges):
+    return _scatter_add_into(ys, inits, ranges), (ranges, _like(ys[0]))
+
+
+def _scatter_add_into_bwd(res, cts):
+    ranges, like = res
+    grads = _range_call(_ffi.RANGE_GATHER, tuple(c.astype(cts[0].dtype) for c in cts), ranges, like.shape[0], None)
+    return match_varying((g.astype(like.dtype) for g in grads), like), tuple(cts), None
+
+
+_scatter_add_into.defvjp(_scatter_add_into_fwd, _scatter_add_into_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,18 +306,33 @@ def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str) -> tuple[
     return _transport(send, tables, axis, reverse=False)
 
 
-def group_reduce(ys: Sequence[jax.Array], tables: CastTables, axis: str, out_len: int,
-                 out_dtype=jnp.float32, wire_dtype=None) -> tuple[jax.Array, ...]:
-    """The transpose of group_cast: partials ys [tables.buffer_len, ...] over each rank's receive buffer
-    go back to the ranks that sent those rows and are summed there into [out_len, ...] arrays of
-    ``out_dtype`` (float32 by default; the sum is always taken in float32). ``wire_dtype`` casts before
-    the transport (default: ys' dtype)."""
+def return_partials(ys: Sequence[jax.Array], tables: CastTables, axis: str, wire_dtype=None
+                    ) -> tuple[jax.Array, ...]:
+    """group_reduce's transport alone: partials over the receive buffer go back to the ranks that sent
+    those rows, arriving in the layout of their send buffers (cast to ``wire_dtype`` first, if given)."""
     ys = tuple(y if wire_dtype is None else y.astype(wire_dtype) for y in ys)
-    back = _transport(ys, tables, axis, reverse=True)
+    return _transport(ys, tables, axis, reverse=True)
+
+
+def accumulate_partials(back: Sequence[jax.Array], tables: CastTables, axis: str, out_len: int | None = None,
+                        out_dtype=jnp.float32, init: Sequence[jax.Array] | None = None) -> tuple[jax.Array, ...]:
+    """group_reduce's unpacking alone: returned partials summed (float32) into the rows they came from,
+    from zero into [out_len, ...] of ``out_dtype``, or in place into ``init``."""
     r = jax.lax.axis_index(axis)
     ranges = jnp.asarray(tables.send_ranges)[r]
-    return range_scatter_add(back, ranges, out_len, out_dtype)
+    return range_scatter_add(back, ranges, out_len, out_dtype, init=init)
 
 
-__all__ = ["varying_axes", "match_varying", "range_gather", "range_scatter_add", "CastTables", "cast_tables", "group_cast", "group_reduce",
-           "TRANSPORTS"]
+def group_reduce(ys: Sequence[jax.Array], tables: CastTables, axis: str, out_len: int | None = None,
+                 out_dtype=jnp.float32, wire_dtype=None, init: Sequence[jax.Array] | None = None
+                 ) -> tuple[jax.Array, ...]:
+    """The transpose of group_cast: partials ys [tables.buffer_len, ...] over each rank's receive buffer
+    go back to the ranks that sent those rows and are summed there into [out_len, ...] arrays of
+    ``out_dtype`` (float32 by default; the sum is always taken in float32), or added in place to ``init``
+    (only the rows that were sent are touched). ``wire_dtype`` casts before the transport (default: ys')."""
+    back = return_partials(ys, tables, axis, wire_dtype)
+    return accumulate_partials(back, tables, axis, out_len, out_dtype, init)
+
+
+__all__ = ["varying_axes", "match_varying", "range_gather", "range_scatter_add", "CastTables", "cast_tables",
+           "group_cast", "group_reduce", "return_partials", "accumulate_partials", "TRANSPORTS"]

@@ -14,8 +14,9 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
               out, lse = lse-merge of all parts
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
               FFA bwd(stage i) -> dq_i, partial dk_i/dv_i over the receive buffer (with the merged out/lse)
-              group_reduce(dk_i, dv_i) -> summed into the owners' dk, dv in float32; dq stays local
+              group_reduce(dk_i, dv_i) -> back to the owners; dq stays local
               FFA bwd(host) -> dq_h, dk_h, dv_h          -- last: it hides the last group_reduce
+              dk = dk_h + returned partials, summed in float32 (in place: only the rows that were sent)
 
 No group_cast depends on an attention call and each group_reduce only on its own stage's backward call, so
 XLA's latency-hiding scheduler is free to run stage i's transfer under the host or stage i-1's kernel, and
@@ -35,7 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from magi_jax import ffa
-from magi_jax.comm import TRANSPORTS, CastTables, cast_tables, group_cast, group_reduce, match_varying
+from magi_jax.comm import (TRANSPORTS, CastTables, accumulate_partials, cast_tables, group_cast, match_varying,
+                           return_partials)
 from magi_jax.mask import AttnMask
 from magi_jax.planner.plan import DistAttnPlan, make_plan
 
@@ -377,6 +379,19 @@ def _backward(cfg: _Config, res, cts):
     return tuple(match_varying((g,), x)[0] for g, x in zip(_backward_body(cfg, res, cts), (q, k, v)))
 
 
+def _add_partials(backs, tables, axis, local):
+    """local (dK, dV of the local keys, the kernel's dtype) plus every stage's returned partials, summed in
+    float32 and rounded once. One stage whose partials travel in the kernel's dtype: added in place,
+    touching only the rows that were sent; otherwise through a float32 accumulator."""
+    dtype = local[0].dtype
+    if len(backs) == 1 and backs[0][0].dtype == dtype:
+        return accumulate_partials(backs[0], tables[0], axis, init=local)
+    acc = None
+    for back, t in zip(backs, tables):
+        acc = accumulate_partials(back, t, axis, local[0].shape[0], jnp.float32, init=acc)
+    return tuple((a + x.astype(jnp.float32)).astype(dtype) for a, x in zip(acc, local))
+
+
 def _backward_body(cfg: _Config, res, cts):
     q, k, v, out, lse = res
     dout, dlse = cts
@@ -389,25 +404,23 @@ def _backward_body(cfg: _Config, res, cts):
         rk, rv = group_cast((k, v), st, axis)
         dq, dkk, dvv = _bwd_call(cfg, q, jnp.concatenate([k, rk]), jnp.concatenate([v, rv]), out, dout, lse,
                                  dlse, tabs.fused, r)
-        red_k, red_v = group_reduce((dkk[L:], dvv[L:]), st, axis, L, jnp.float32, wire)
-        dk = dkk[:L].astype(jnp.float32) + red_k
-        dv = dvv[:L].astype(jnp.float32) + red_v
-        return dq, dk.astype(k.dtype), dv.astype(v.dtype)
+        back = return_partials((dkk[L:], dvv[L:]), st, axis, wire)
+        dk, dv = _add_partials([back], [st], axis, (dkk[:L], dvv[:L]))
+        return dq, dk, dv
     if not tabs.stages:
         return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
-    # Stages first, the host call last: stage i's group_reduce then runs under stage i+1's call and the last
-    # one under the host call. (The re-fetch is the forward's group_cast again; in one jitted module XLA
-    # merges the two, so the forward's receive buffers are reused rather than fetched twice.)
+    # Stages first, the host call last: stage i's partials travel back under stage i+1's call, the last ones
+    # under the host call. (The re-fetch is the forward's group_cast again; in one jitted module XLA merges
+    # the two, so the forward's receive buffers are reused rather than fetched twice.)
     recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
-    dq = dk = dv = None
+    dq, backs = None, []
     for st, (rk, rv) in zip(tabs.stages, recv):
         dq_i, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r)
-        red_k, red_v = group_reduce((dk_i, dv_i), st.tables, axis, L, jnp.float32, wire)
-        dq_i = dq_i.astype(jnp.float32)
-        dq, dk, dv = (dq_i, red_k, red_v) if dq is None else (dq + dq_i, dk + red_k, dv + red_v)
+        backs.append(return_partials((dk_i, dv_i), st.tables, axis, wire))
+        dq = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)
     dq_h, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
-    dq, dk, dv = dq + dq_h.astype(jnp.float32), dk + dk_h.astype(jnp.float32), dv + dv_h.astype(jnp.float32)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dk, dv = _add_partials(backs, [st.tables for st in tabs.stages], axis, (dk_h, dv_h))
+    return (dq + dq_h.astype(jnp.float32)).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -64,6 +64,35 @@ def test_range_ops_are_transposes_and_jit_with_traced_tables():
     assert gather._cache_size() == 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_scatter_add_into_init_touches_only_covered_rows(dtype):
+    rng = np.random.default_rng(2)
+    y = jnp.asarray(rng.standard_normal((19, 3, 4)), dtype)
+    w = jnp.asarray(rng.standard_normal((19, 5)), dtype)
+    init = (jnp.asarray(rng.standard_normal((15, 3, 4)), dtype), jnp.asarray(rng.standard_normal((15, 5)), dtype))
+    into = jax.jit(lambda y, w, a, b: comm.range_scatter_add([y, w], RANGES, init=[a, b]))
+    got = into(y, w, *init)
+    fresh = comm.range_scatter_add([y, w], RANGES, 15, out_dtype=jnp.float32)
+    covered = np.zeros(15, bool)
+    for s_, e, _ in RANGES:
+        covered[s_:min(e, 15)] = True
+    for g, f, i in zip(got, fresh, init):
+        assert g.dtype == dtype
+        want = (np.asarray(i, np.float32) + np.asarray(f)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32)[covered], want[covered], rtol=1e-2, atol=1e-2)
+        # Rows no range covers are the init's bits.
+        np.testing.assert_array_equal(np.asarray(g)[~covered], np.asarray(i)[~covered])
+    # Gradients: identity for init, range_gather for y.
+    cts = tuple(jnp.asarray(rng.standard_normal(i.shape), dtype) for i in init)
+    _, vjp = jax.vjp(into, y, w, *init)
+    gy, gw, ga, gb = vjp(cts)
+    np.testing.assert_array_equal(np.asarray(ga), np.asarray(cts[0]))
+    np.testing.assert_array_equal(np.asarray(gb), np.asarray(cts[1]))
+    np.testing.assert_array_equal(np.asarray(gy), np.asarray(comm.range_gather([cts[0]], RANGES, 19)[0]))
+    with pytest.raises(ValueError, match="init"):
+        comm.range_scatter_add([y], RANGES, init=[init[1]])
+
+
 def test_empty_table_gives_zeros():
     x = jnp.ones((4, 3), jnp.float32) * 2.5
     (y,) = comm.range_gather([x], np.zeros((1, 3), np.int32), 6)

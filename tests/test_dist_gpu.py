@@ -63,6 +63,17 @@ def test_range_ops_cuda_match_numpy(dtype, features):
             if 0 <= s + t < n_in and 0 <= d + t < n_out:
                 back[s + t] += np.asarray(y, np.float64)[d + t]
     np.testing.assert_allclose(np.asarray(sx), back, rtol=1e-5, atol=1e-5)
+    # In place from an init: covered rows init + sum, the others untouched (bitwise).
+    init = jnp.asarray(rng.standard_normal((n_in, *features)), dtype)
+    (into,) = jax.jit(lambda y, i: comm.range_scatter_add([y], ranges, init=[i]))(y, init)
+    covered = np.zeros(n_in, bool)
+    for s, e, d in ranges:
+        for t in range(e - s):
+            if 0 <= s + t < n_in and 0 <= d + t < n_out:
+                covered[s + t] = True
+    np.testing.assert_array_equal(np.asarray(into)[~covered], np.asarray(init)[~covered])
+    want = np.asarray(init, np.float64) + back
+    np.testing.assert_allclose(np.asarray(into, np.float64)[covered], want[covered], rtol=tol, atol=tol * 4)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_OVERLAP))
