@@ -4,9 +4,10 @@
 its transpose: partial results over the receive buffer are summed back into the owners' rows. Every size is
 static, so the transport is XLA's ``all_to_all`` or ``collective_permute`` (``ppermute``) on padded buffers,
 never ``ragged_all_to_all`` (100x slower on NVLinked H200s, PEERS.md). Packing the send buffer and unpacking
-the returned partials are one FFI kernel each (``range_gather``, ``range_scatter_add``); received data is not
-unpacked at all: the kernels that consume it index the transport's receive buffer directly
-(``CastTables.remap_keys`` rewrites slice key ranges into it).
+the returned partials are one FFI kernel each (``range_gather``; ``range_scatter_add``, from zero or in place
+into an init, touching only the rows that were sent); received data is not unpacked at all: the kernels that
+consume it index the transport's receive buffer directly (``CastTables.remap_keys`` rewrites slice key
+ranges into it).
 
 Layouts, for one stage on every rank (``S = CastTables.buffer_len``, the same for send and receive):
 
