@@ -50,3 +50,30 @@ def _register() -> bool:
 
 
 HAS_CUDA_LIBRARY = _register()
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies over inside a shard_map (empty outside one)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
+
+
+def match_varying(outs, *inputs) -> tuple:
+    """Outputs cast to vary over every manual axis any input varies over.
+
+    An FFI call's results are typed invariant inside a shard_map whatever its inputs (jax 0.11); left so,
+    shard_map's transpose would sum their cotangents over the axis, and custom-VJP rules would reject
+    cotangents typed unlike their primals."""
+    axes = frozenset().union(*(varying_axes(x) for x in inputs))
+    def cast(y):
+        missing = tuple(sorted(axes - varying_axes(y)))
+        return jax.lax.pcast(y, missing, to="varying") if missing else y
+    return tuple(cast(y) for y in outs)
+
+
+def call(target: str, results, *args, **attrs) -> tuple:
+    """jax.ffi.ffi_call whose results vary like its arguments inside a shard_map."""
+    return match_varying(jax.ffi.ffi_call(target, results)(*args, **attrs), *args)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from magi_jax import _ffi
+from magi_jax._ffi import match_varying
 from magi_jax.planner.transfers import StageTransfers
 
 TRANSPORTS = ("auto", "all_to_all", "ppermute")
@@ -42,31 +43,9 @@ TRANSPORTS = ("auto", "all_to_all", "ppermute")
 # ---------------------------------------------------------------------------------------------------------
 # Range ops: the FFI packing kernels, each the other's transpose.
 
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes x varies over inside a shard_map (empty outside one)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
-
-
-def match_varying(outs, *inputs):
-    """Outputs cast to vary over every manual axis any input varies over.
-
-    An FFI call's results are typed invariant inside a shard_map whatever its inputs (jax 0.11); left so,
-    shard_map's transpose would sum their cotangents over the axis. Custom-VJP rules also need each
-    cotangent typed like its primal."""
-    axes = frozenset().union(*(varying_axes(x) for x in inputs))
-    def cast(y):
-        missing = tuple(sorted(axes - varying_axes(y)))
-        return jax.lax.pcast(y, missing, to="varying") if missing else y
-    return tuple(cast(y) for y in outs)
-
-
 def _range_call(target: str, xs: tuple, ranges, out_len: int, out_dtype) -> tuple:
     results = tuple(jax.ShapeDtypeStruct((out_len, *x.shape[1:]), out_dtype or x.dtype) for x in xs)
-    return match_varying(jax.ffi.ffi_call(target, results)(ranges, *xs), ranges, *xs)
+    return _ffi.call(target, results, ranges, *xs)
 
 
 def _check_range_args(name: str, xs, ranges) -> tuple:
@@ -335,5 +314,5 @@ def group_reduce(ys: Sequence[jax.Array], tables: CastTables, axis: str, out_len
     return accumulate_partials(back, tables, axis, out_len, out_dtype, init)
 
 
-__all__ = ["varying_axes", "match_varying", "range_gather", "range_scatter_add", "CastTables", "cast_tables",
+__all__ = ["range_gather", "range_scatter_add", "CastTables", "cast_tables",
            "group_cast", "group_reduce", "return_partials", "accumulate_partials", "TRANSPORTS"]

@@ -36,7 +36,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from magi_jax import ffa
-from magi_jax.comm import (TRANSPORTS, CastTables, accumulate_partials, cast_tables, group_cast, match_varying,
+from magi_jax._ffi import match_varying
+from magi_jax.comm import (TRANSPORTS, CastTables, accumulate_partials, cast_tables, group_cast,
                            return_partials)
 from magi_jax.mask import AttnMask
 from magi_jax.planner.plan import DistAttnPlan, make_plan
@@ -335,14 +336,12 @@ def _rows(slices, r):
 
 
 def _fwd_call(cfg, q, k, v, slices, r):
-    rows = _rows(slices, r)
-    return match_varying(ffa._fwd_call(q, k, v, *rows, cfg.scale, cfg.softcap), q, k, v, *rows)
+    return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap)
 
 
 def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r):
-    rows = _rows(slices, r)
-    grads = ffa._ffa_bwd(cfg.scale, cfg.softcap, cfg.deterministic, (q, k, v, out, lse, *rows), (dout, dlse))
-    return match_varying(grads[:3], q, k, v, out, dout, lse, dlse, *rows)
+    residuals = (q, k, v, out, lse, *_rows(slices, r))
+    return ffa._ffa_bwd(cfg.scale, cfg.softcap, cfg.deterministic, residuals, (dout, dlse))[:3]
 
 
 def _merge(parts, dtype):

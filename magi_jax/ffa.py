@@ -96,10 +96,10 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
 
 
 def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap):
-    return jax.ffi.ffi_call(
+    return _ffi.call(
         _ffi.FFA_FWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
-    )(q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale=np.float32(scale), softcap=np.float32(softcap))
+        q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale=np.float32(scale), softcap=np.float32(softcap))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -115,12 +115,12 @@ def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, determi
 def _ffa_bwd(scale, softcap, deterministic, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
-    dq, dk, dv = jax.ffi.ffi_call(
+    dq, dk, dv = _ffi.call(
         _ffi.FFA_BWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype)),
-    )(q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map,
-      softmax_scale=np.float32(scale), softcap=np.float32(softcap), deterministic=deterministic)
+        q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map,
+        softmax_scale=np.float32(scale), softcap=np.float32(softcap), deterministic=deterministic)
     return dq, dk, dv, None, None, None
 
 

@@ -135,6 +135,27 @@ def test_inside_shard_map_over_heads():
     np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
 
 
+def test_gradient_inside_shard_map_over_heads():
+    # FFI results must vary over the mesh axis like their inputs, or shard_map's transpose sums the
+    # cotangents over the axis (and custom_vjp rejects them).
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    mask = masks.sliding_window([70, 58], 24)
+    rng = np.random.default_rng(12)
+    q, k, v = random_qkv(rng, 128, 128, 8, 4, 64)
+    qr, kr, types = mask.kernel_args()
+    weights = jnp.asarray(rng.standard_normal((128, 8, 64)), jnp.float32)
+
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(None, "tp"),) * 3, out_specs=P(None, "tp"))
+    def sharded(q, k, v):
+        return mj.flex_flash_attn(q, k, v, qr, kr, types)[0]
+
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v) * weights))
+    got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0]), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_deterministic_backward_is_bitwise_repeatable():
     mask = masks.shared_question([(40, [30, 50]), (20, [60])])
     rng = np.random.default_rng(2)
