@@ -3,19 +3,27 @@
 # the kernel benchmark. Logs and JSON go to $OUT. Knobs: TESTS (pytest args), BENCH_ARGS, *_TIMEOUT,
 # SKIP_TESTS, SKIP_BENCH, TEST_WORKERS.
 #
-# SUITE=sm90 (the sm90 forward, cuda/NOTES.md "sm90 path"): a smoke test under a hard timeout first (a
-# barrier bug hangs instead of failing; its log says so), then tests/test_ffa_sm90_gpu.py (the whole GPU
-# suite with MAGI_JAX_FFA_KERNEL=sm90, plus its own tests), then the bench with the ffa_sm90 column.
-#   SUITE=sm90 bash cuda/device_run.sh          # the next session's one command (about 8-9 minutes)
+# SUITE=sm90 (the sm90 forward and dK/dV backward, cuda/NOTES.md "sm90 path"): the unit check of the
+# building blocks, the smoke tests (forward and backward) under a hard timeout (a barrier bug hangs instead
+# of failing; its log says so), then tests/test_ffa_sm90_gpu.py (the whole GPU suite with
+# MAGI_JAX_FFA_KERNEL=sm90, plus its own tests), then the bench with the ffa_sm90 column.
+# QUICK=1: only the quick subset of that file (what is new plus one test per type / dtype / head dim),
+# 8 workers, so that the whole call fits in 10 minutes.
+#   SUITE=sm90 QUICK=1 bash cuda/device_run.sh  # the next session's one command (about 7-9 minutes)
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
 SUITE=${SUITE:-default}
 if [ "$SUITE" = sm90 ]; then
   TEST_FILES=${TEST_FILES:-tests/test_ffa_sm90_gpu.py}
-  BENCH_ARGS=${BENCH_ARGS:---impls ffa ffa_sm90 cudnn tokamax}
+  BENCH_ARGS=${BENCH_ARGS:---impls ffa ffa_sm90 cudnn}
   TEST_TIMEOUT=${TEST_TIMEOUT:-270}
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
+  if [ "${QUICK:-0}" = 1 ]; then
+    TESTS=${TESTS:--k "sm90 or each_type_alone or mixed_types or gqa or softcap"}
+    TEST_TIMEOUT=${TEST_TIMEOUT_QUICK:-180}
+    TEST_WORKERS=${TEST_WORKERS:-8}
+  fi
 else
   TEST_FILES=${TEST_FILES:-tests/test_ffa_gpu.py}
 fi
@@ -39,9 +47,10 @@ if [ "$SUITE" = sm90 ]; then
   [ $rc = 0 ] || exit 1
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  eval "TEST_ARGS=(${TESTS:-})"  # TESTS may hold a quoted -k expression
   t0=$(date +%s)
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -rfE -n "${TEST_WORKERS:-4}" \
-    -p no:cacheprovider --timeout 240 --durations=12 -s $TEST_FILES ${TESTS:-} > "$OUT/tests.log" 2>&1
+    -p no:cacheprovider --timeout 240 --durations=12 -s $TEST_FILES "${TEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
   echo "tests: rc $? in $(( $(date +%s) - t0 )) s"
   grep -E "peak GPU memory|passed|failed" "$OUT/tests.log" | tail -5
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40

@@ -75,7 +75,8 @@ struct ListSizes {
   size_t Bytes() const { return Carver::Round((num_blocks + 1) * 8) + Carver::Round(capacity * 4); }
 };
 
-// MAGI_JAX_FFA_KERNEL=sm90 selects the TMA + wgmma forward (launch_fwd_sm90.cu); anything else, or unset,
+// MAGI_JAX_FFA_KERNEL=sm90 selects the TMA + wgmma forward and dK/dV kernels (launch_{fwd,bwd}_sm90.cu);
+// anything else, or unset,
 // the mma.sync kernels. Read at every call (a getenv), like the capacity below, so that one process can
 // compare both (bench/kernel.py) and tests can switch it.
 enum class FwdKernel { kMmaSync, kSm90 };
@@ -180,6 +181,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (auto err = CheckSizes(*dims); err.failure()) return err;
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
+  const bool sm90 = ForwardKernel() == FwdKernel::kSm90;
   const int64_t rows = dims->tq * dims->hq;
   const ListSizes k_sizes = SizeLists(dims->tk, kKBlock, dims->num_slices);
   const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
@@ -234,8 +236,18 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     if (deterministic) {
       if (cudaError_t err = LaunchBwdDq<T, D>(p, stream); err != cudaSuccess) return CudaFailure("dq", err);
     }
-    if (cudaError_t err = LaunchBwdDkDv<T, D>(p, !deterministic, stream); err != cudaSuccess)
-      return CudaFailure("dk/dv", err);
+    // MAGI_JAX_FFA_KERNEL=sm90: the TMA + wgmma dK/dV kernel (atomic dQ unless deterministic; the
+    // deterministic dq is the mma.sync dq kernel above). cudaErrorNotSupported: nothing enqueued, the
+    // mma.sync dk/dv kernel runs.
+    cudaError_t dkdv = cudaErrorNotSupported;
+    if (sm90) {
+      dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, stream);
+      if (dkdv != cudaSuccess && dkdv != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", dkdv);
+    }
+    if (dkdv == cudaErrorNotSupported) {
+      if (cudaError_t err = LaunchBwdDkDv<T, D>(p, !deterministic, stream); err != cudaSuccess)
+        return CudaFailure("dk/dv", err);
+    }
     if (!deterministic) {
       if (cudaError_t err = LaunchDqConvert<T>(p.dq_accum, static_cast<T*>(p.dq), int64_t(accum_elems), stream);
           err != cudaSuccess)

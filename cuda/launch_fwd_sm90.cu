@@ -10,6 +10,7 @@
 
 #include "flash_fwd_sm90_kernel.h"
 #include "launch.h"
+#include "tma_map.h"
 
 namespace magi_jax::cuda {
 namespace {
@@ -69,40 +70,6 @@ __global__ void __launch_bounds__(kOrderThreads) FwdOrderKernel(const int32_t* w
   for (int x = tid; x < num_blocks; x += kOrderThreads)
     order[atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1)] = x;
 }
-
-// ----------------------------------------------------------------------------------------- tensor maps
-
-PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult status;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &status) !=
-            cudaSuccess ||
-        status != cudaDriverEntryPointSuccess)
-      return PFN_cuTensorMapEncodeTiled_v12000(nullptr);
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }();
-  return fn;
-}
-
-template <typename T>
-constexpr CUtensorMapDataType kTmaType = std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-
-// A [t, h, d] tensor as (d, h, t), boxes of (64, 1, box_rows) in the 128-byte swizzle; zeros past the end.
-template <typename T>
-bool EncodeMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const void* base, int t, int h, int d,
-               int box_rows) {
-  const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(h), cuuint64_t(t)};
-  const cuuint64_t strides[2] = {cuuint64_t(d) * 2, cuuint64_t(h) * d * 2};  // bytes, dims 1 and 2
-  const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  return encode(map, kTmaType<T>, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
-                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
 
 // MAGI_JAX_SM90_SCHED, for measuring the scheduler's share: "lpt" (default: persistent, longest first),
 // "natural" (persistent, q blocks last-first), "grid" (one CTA per tile, last-first: not persistent).

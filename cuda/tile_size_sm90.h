@@ -55,4 +55,54 @@ struct FwdSm90Barriers {
   int tile[2];
 };
 
+
+// The sm90 backward's dK/dV kernel (flash_bwd_sm90_kernel.h): a CTA per (k block of kBlockN keys, kv head),
+// 3 warpgroups: warpgroup 0 produces (one warp: TMA of K, V once, then Q, dO of each row tile, lse/delta by
+// plain stores), warpgroups 1 and 2 consume, each owning kKeysPerWarpgroup of the keys (wgmma M = 64).
+// Row tiles of kBlockM q rows come through a kStages-deep ring. Register plan per consumer thread (D 128):
+// dK, dV accumulators 64 x 128 fp32 / 128 threads = 64 + 64; S^T and dP^T (64 keys x 64 rows) 32 + 32;
+// the bf16 A fragments of P^T and dS^T 16 + 16 (S^T / dP^T die when packed); dQ (64 rows x 64 columns)
+// 32. Peak: 192 during S/dP (dK, dV, S, dP) and during dQ (dK, dV, P, dS, dQ), + ~30 addresses and loop
+// state, under 232. D 64: 32 + 32 + 32 + 32 + 32.
+template <int D>
+struct BwdSm90Tile {
+  static constexpr int kBlockN = 128;  // keys per CTA (= kKBlock: the k-block slice lists are shared)
+  static constexpr int kBlockM = 64;   // q rows per step
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kKeysPerWarpgroup = kBlockN / kConsumerWarpgroups;
+  static constexpr int kChunks = D / 64;
+  // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+
+  static constexpr uint32_t kKvBytes = kBlockN * D * 2;   // K or V, [kChunks][kBlockN][64]
+  static constexpr uint32_t kRowBytes = kBlockM * D * 2;  // one Q or dO stage, [kChunks][kBlockM][64]
+  static constexpr uint32_t kDsBytes = kBlockN * kBlockM * 2;  // dS^T [kBlockN keys][kBlockM rows], swizzled
+  static constexpr uint32_t kKOffset = 0;
+  static constexpr uint32_t kVOffset = kKOffset + kKvBytes;
+  static constexpr uint32_t kQOffset = kVOffset + kKvBytes;
+  static constexpr uint32_t kDoOffset = kQOffset + kStages * kRowBytes;
+  static constexpr uint32_t kLseOffset = kDoOffset + kStages * kRowBytes;  // float [kStages][kBlockM] lse (log2)
+  static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
+  static constexpr uint32_t kDsOffset = kLseOffset + 1024;  // [2] dS^T buffers (double-buffered)
+  static constexpr uint32_t kBarOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr uint32_t kBarBytes = 256;
+  static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
+
+  static_assert(kBlockN == kKBlock, "the dk/dv kernels share the k-block slice lists");
+  static_assert(2 * kStages * kBlockM * 4 <= 1024, "lse / delta region");
+  static_assert(kStages * kRowBytes >= kKvBytes, "dK / dV are staged in the Q / dO rings for the TMA store");
+  static_assert(kSmemBytes <= 227 * 1024, "fits one CTA per SM");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
+};
+
+template <int kStages>
+struct BwdSm90Barriers {
+  uint64_t kv_full;
+  uint64_t row_full[kStages], row_empty[kStages];
+};
+
 }  // namespace magi_jax::cuda

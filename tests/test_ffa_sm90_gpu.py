@@ -1,13 +1,17 @@
-"""The sm90 forward (TMA + wgmma, cuda/flash_fwd_sm90_kernel.h) through the whole GPU suite.
+"""The sm90 kernels (TMA + wgmma: cuda/flash_fwd_sm90_kernel.h, cuda/flash_bwd_sm90_kernel.h) through the
+whole GPU suite.
 
-MAGI_JAX_FFA_KERNEL=sm90 selects it; the handler reads the variable at every call, so an autouse fixture
-setting it runs every test of tests/test_ffa_gpu.py (imported below) on the new forward (the backward is the
-mma.sync one, fed by the new forward's out and lse). The tests added here exercise what is new: the
-persistent grid with many more tiles than SMs, the longest-first order, bitwise reproducibility of the
-forward (one CTA per tile, a fixed walk), and agreement with the mma.sync forward.
+MAGI_JAX_FFA_KERNEL=sm90 selects both the forward and the dK/dV kernel of the backward (atomic dQ; with
+deterministic=True the dq is the mma.sync dq kernel's); the handler reads the variable at every call, so an
+autouse fixture setting it runs every test of tests/test_ffa_gpu.py (imported below, gradients included) on
+the new kernels. The tests added here exercise what is new: the persistent grid with many more tiles than
+SMs, the longest-first order, bitwise reproducibility of the forward and of the deterministic backward, and
+agreement of both with the mma.sync kernels.
 
 Run first, alone, with a hard timeout (a barrier bug hangs rather than fails):
     timeout 120 python -m pytest -q -x tests/test_ffa_sm90_gpu.py -k smoke
+A quick subset (what is new plus one test per mask type, dtype and head dim; cuda/device_run.sh QUICK=1):
+    python -m pytest -q tests/test_ffa_sm90_gpu.py -k "sm90 or each_type_alone or mixed_types or gqa"
 """
 
 from __future__ import annotations
@@ -97,3 +101,78 @@ def test_agrees_with_mma_sync_forward_on_a_long_mask(dtype):
     np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-3)
     rel = np.linalg.norm(out - ref_out) / np.linalg.norm(ref_out)
     assert rel < 1e-2, rel
+
+
+def _gradients(mask, q, k, v, kernel, deterministic=False):
+    """out, dq, dk, dv (float32 numpy) of one forward + backward with the kernel named (None: mma.sync)."""
+    import os
+    old = os.environ.pop(ENV, None)
+    if kernel is not None:
+        os.environ[ENV] = kernel
+    try:
+        qr, kr, types = mask.kernel_args()
+        do = jnp.asarray(np.random.default_rng(99).standard_normal(q.shape), q.dtype)
+
+        def loss(q, k, v):
+            out, _ = mj.flex_flash_attn(q, k, v, qr, kr, types, deterministic=deterministic)
+            return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+        return [np.asarray(x, np.float32) for x in (out, *grads)]
+    finally:
+        os.environ.pop(ENV, None)
+        if old is not None:
+            os.environ[ENV] = old
+
+
+def _assert_close_rel(a, b, tol, what):
+    rel = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    assert rel < tol, (what, rel)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_smoke_sm90_backward_matches_mma_sync(d, deterministic):
+    # The forward smoke mask (two slices, one causal, unaligned edges, GQA), now with gradients: one CTA
+    # per (k block, kv head), fewer than the SMs; a k block with keys past the end (400 = 3 x 128 + 16).
+    mask = AttnMask([[0, 300], [100, 333]], [[0, 300], [250, 400]], [1, 0], 333, 400)
+    rng = np.random.default_rng(d + 7)
+    q, k, v = random_qkv(rng, 333, 400, 4, 2, d, jnp.bfloat16)
+    got = _gradients(mask, q, k, v, "sm90", deterministic)
+    ref = _gradients(mask, q, k, v, None, deterministic)
+    for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
+        _assert_close_rel(a, b, 1e-2, name)
+
+
+def test_sm90_deterministic_backward_is_bitwise_repeatable():
+    # deterministic=True: sm90 dK/dV (each CTA owns its keys, a fixed walk) + the mma.sync dq kernel.
+    rng = np.random.default_rng(21)
+    mask = masks.varlen_causal([3000, 1200, 700])
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 8, 2, 128, jnp.bfloat16)
+    first = _gradients(mask, q, k, v, "sm90", deterministic=True)
+    for _ in range(2):
+        again = _gradients(mask, q, k, v, "sm90", deterministic=True)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_sm90_backward_agrees_with_mma_sync_on_a_long_mask(dtype, deterministic):
+    # Many row tiles per k block (thousands of rows per key), GQA group of 2, two documents.
+    mask = masks.varlen_causal([6000, 2192])
+    rng = np.random.default_rng(23)
+    q, k, v = random_qkv(rng, 8192, 8192, 8, 4, 128, dtype)
+    got = _gradients(mask, q, k, v, "sm90", deterministic)
+    ref = _gradients(mask, q, k, v, None, deterministic)
+    # Both accumulate in fp32 over the same cells; P^T / dS^T are rounded to the dtype in both. The atomic
+    # dq differs in summation order only.
+    for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
+        _assert_close_rel(a, b, 1e-2, name)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_backward_softcap_many_slices(d):
+    # Softcap's derivative path and a k block touched by many slices (the k-block walk), against float64.
+    lens = [130, 257, 70, 511, 300]
+    run_case(masks.varlen_causal(lens), hq=4, hkv=1, d=d, seed=31, softcap=20.0)

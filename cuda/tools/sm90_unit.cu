@@ -1,7 +1,9 @@
 // A standalone check of the sm90 building blocks, without JAX: TMA 3-d loads in the 128-byte swizzle,
 // the shared-memory descriptors, SS wgmma (S = Q K^T, K-major both) and RS wgmma (O = P V, V MN-major),
 // and the swizzled TMA store of O, each against a host reference. One warpgroup, one 64 x 128 tile, per
-// head dim. Build and run on the GPU machine (cuda/device_run.sh does, with SUITE=sm90):
+// head dim. The backward's two new operand forms too: Y = P[:, :64] Q (RS, B = a 64-row tile MN-major with
+// N = D, as dV += P^T dO and dK += dS^T Q) and Z = K[:, :64]^T V[:, :64] (SS with A MN-major, tnspA = 1, as
+// dQ = dS K reads dS^T). Build and run on the GPU machine (cuda/device_run.sh does, with SUITE=sm90):
 //   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icuda cuda/tools/sm90_unit.cu -o /tmp/sm90_unit
 //   /tmp/sm90_unit
 // Prints one line per check and "sm90_unit: PASS" or "sm90_unit: FAIL".
@@ -28,7 +30,7 @@ struct UnitMaps {
 
 template <int D>
 __global__ void __launch_bounds__(128) UnitKernel(const __grid_constant__ UnitMaps maps, float* s_out, float* o_out,
-                                                  int head, int row0) {
+                                                  float* y_out, float* z_out, int head, int row0) {
   extern __shared__ __align__(1024) unsigned char raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   unsigned char* sq = smem;                    // [D/64][64][64]
@@ -112,6 +114,46 @@ __global__ void __launch_bounds__(128) UnitKernel(const __grid_constant__ UnitMa
     BulkCommit();
     BulkWait();
   }
+  // Backward forms. Y = P[:, :64] Q[:64 rows]: A = the first four k16 fragments of P, B = the Q tile
+  // MN-major (LBO = the 64-column chunk stride kM * 128, k16 step 2048 bytes).
+  float y[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) y[i][0] = y[i][1] = y[i][2] = y[i][3] = 0.0f;
+  const uint64_t dq_mn = SmemDesc128B(sq, kM * 128);
+  FenceRegs(y);
+  FenceRegs(pa);
+  WgmmaFence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) Wgmma<T, D>::template RS<1>(y, pa[kk], DescAdd(dq_mn, kk * 2048), 1);
+  WgmmaCommit();
+  WgmmaWait<0>();
+  FenceRegs(y);
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    const int c = 8 * i + 2 * t;
+    y_out[r * D + c] = y[i][0];
+    y_out[r * D + c + 1] = y[i][1];
+    y_out[(r + 8) * D + c] = y[i][2];
+    y_out[(r + 8) * D + c + 1] = y[i][3];
+  }
+  // Z = K[:, :64]^T V[:, :64]: A = the K tile's first chunk read MN-major (tnspA = 1), B = V's, N = 64.
+  float z[8][4];
+  const uint64_t dk_mn = SmemDesc128B(sk, kN * 128), dv_mn = SmemDesc128B(sv, kN * 128);
+  WgmmaFence();
+  Wgmma<T, 64>::SSZero<1, 1>(z, dk_mn, dv_mn);
+#pragma unroll
+  for (int kk = 1; kk < kN / 16; ++kk) Wgmma<T, 64>::SS<1, 1>(z, DescAdd(dk_mn, kk * 2048), DescAdd(dv_mn, kk * 2048), 1);
+  WgmmaCommit();
+  WgmmaWait<0>();
+  FenceRegs(z);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int c = 8 * i + 2 * t;
+    z_out[r * 64 + c] = z[i][0];
+    z_out[r * 64 + c + 1] = z[i][1];
+    z_out[(r + 8) * 64 + c] = z[i][2];
+    z_out[(r + 8) * 64 + c + 1] = z[i][3];
+  }
 }
 
 static PFN_cuTensorMapEncodeTiled_v12000 Encoder() {
@@ -148,13 +190,15 @@ static bool Check(int tq, int row0) {
     for (auto& e : *x) e = __float2bfloat16(normal(rng));
   for (auto& e : o) e = __float2bfloat16(-7.0f);
   T *dq, *dk, *dv, *dout;
-  float *ds, *dos;
+  float *ds, *dos, *dy, *dz;
   cudaMalloc(&dq, q.size() * 2);
   cudaMalloc(&dk, k.size() * 2);
   cudaMalloc(&dv, v.size() * 2);
   cudaMalloc(&dout, o.size() * 2);
   cudaMalloc(&ds, kM * kN * 4);
   cudaMalloc(&dos, kM * D * 4);
+  cudaMalloc(&dy, kM * D * 4);
+  cudaMalloc(&dz, 64 * 64 * 4);
   cudaMemcpy(dq, q.data(), q.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dk, k.data(), k.size() * 2, cudaMemcpyHostToDevice);
   cudaMemcpy(dv, v.data(), v.size() * 2, cudaMemcpyHostToDevice);
@@ -168,13 +212,15 @@ static bool Check(int tq, int row0) {
   }
   const int smem = (2 * kM + 2 * kN) * D * 2 + 64 + 1024;
   cudaFuncSetAttribute(UnitKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  UnitKernel<D><<<1, 128, smem>>>(maps, ds, dos, kHead, row0);
+  UnitKernel<D><<<1, 128, smem>>>(maps, ds, dos, dy, dz, kHead, row0);
   const cudaError_t err = cudaDeviceSynchronize();
   if (err != cudaSuccess) {
     std::printf("D %d: kernel failed: %s\n", D, cudaGetErrorString(err));
     return false;
   }
-  std::vector<float> s(kM * kN), os(kM * D);
+  std::vector<float> s(kM * kN), os(kM * D), ys(kM * D), zs(64 * 64);
+  cudaMemcpy(ys.data(), dy, ys.size() * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(zs.data(), dz, zs.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(os.data(), dos, os.size() * 4, cudaMemcpyDeviceToHost);
   cudaMemcpy(o.data(), dout, o.size() * 2, cudaMemcpyDeviceToHost);
@@ -199,6 +245,25 @@ static bool Check(int tq, int row0) {
       o_max = std::fmax(o_max, std::fabs(ref));
       if (row0 + i < tq) store_err = std::fmax(store_err, std::fabs(Bf(os[i * D + c]) - at(o, row0 + i, c)));
     }
+  double y_err = 0, y_max = 0, z_err = 0, z_max = 0;
+  for (int i = 0; i < kM; ++i)
+    for (int c = 0; c < D; ++c) {
+      double ref = 0;
+      for (int j = 0; j < 64; ++j) ref += double(p[i * kN + j]) * (row0 + j < tq ? at(q, row0 + j, c) : 0.0);
+      y_err = std::fmax(y_err, std::fabs(ref - ys[i * D + c]));
+      y_max = std::fmax(y_max, std::fabs(ref));
+    }
+  for (int m = 0; m < 64; ++m)
+    for (int n = 0; n < 64; ++n) {
+      double ref = 0;
+      for (int j = 0; j < kN; ++j) ref += double(at(k, j, m)) * at(v, j, n);
+      z_err = std::fmax(z_err, std::fabs(ref - zs[m * 64 + n]));
+      z_max = std::fmax(z_max, std::fabs(ref));
+    }
+  const bool bwd_pass = y_err <= 1e-3 * y_max + 1e-3 && z_err <= 1e-3 * z_max + 1e-3;
+  std::printf("D %3d tq %3d row0 %2d: backward forms: Y = P Q (B MN-major, 64-row tile) max err %.2e (|Y| %.1f); "
+              "Z = K^T V (A MN-major) max err %.2e (|Z| %.1f): %s\n",
+              D, tq, row0, y_err, y_max, z_err, z_max, bwd_pass ? "ok" : "WRONG");
   // Rows of o outside [row0, row0 + 64) and head 0 keep their -7.
   int clobbered = 0;
   for (int row = 0; row < tq; ++row)
@@ -206,7 +271,7 @@ static bool Check(int tq, int row0) {
       for (int c = 0; c < D; ++c)
         if ((h != kHead || row < row0 || row >= row0 + kM) && __bfloat162float(o[(size_t(row) * H + h) * D + c]) != -7.0f)
           ++clobbered;
-  const bool pass = s_err <= 1e-3 * s_max + 1e-3 && o_err <= 1e-3 * o_max + 1e-3 && store_err == 0 && clobbered == 0;
+  const bool pass = bwd_pass && s_err <= 1e-3 * s_max + 1e-3 && o_err <= 1e-3 * o_max + 1e-3 && store_err == 0 && clobbered == 0;
   std::printf("D %3d tq %3d row0 %2d: S = QK^T max err %.2e (|S| %.1f); O = PV max err %.2e (|O| %.1f); "
               "TMA store mismatches %.2e, clobbered %d: %s\n",
               D, tq, row0, s_err, s_max, o_err, o_max, store_err, clobbered, pass ? "ok" : "WRONG");
@@ -216,6 +281,8 @@ static bool Check(int tq, int row0) {
   cudaFree(dout);
   cudaFree(ds);
   cudaFree(dos);
+  cudaFree(dy);
+  cudaFree(dz);
   return pass;
 }
 

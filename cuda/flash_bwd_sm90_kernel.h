@@ -1,0 +1,314 @@
+// The sm90 backward's dK/dV kernel: TMA loads into a shared-memory ring completed on mbarriers, wgmma on two
+// consumer warpgroups, a producer warp (setmaxnreg). One CTA per (k block of 128 keys, kv head), like the
+// mma.sync dk/dv kernel (flash_bwd_dkdv_kernel.h), whose walk it shares (scheduler.h, KvStep): every slice
+// of the k block's list, every q head of the GQA group, every row tile of 64 rows attending the keys.
+//   producer warp:  K, V once -> kv_full; per step: lse (log2 units, +inf for empty rows) and delta by plain
+//                   stores, then Q, dO by TMA -> row_full[stage], after row_empty[stage]
+//   consumer wg w:  keys [64 w, 64 w + 64) of the block (wgmma M = 64); per step
+//                   S^T = K Q^T, dP^T = V dO^T (SS, both K-major, N = 64 rows),
+//                   P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - delta) (exact mask per cell unless the
+//                   tile is interior for the warpgroup's 64 keys),
+//                   dV += P^T dO, dK += dS^T Q (RS: P^T / dS^T packed in registers; dO, Q MN-major),
+//                   kAtomicDq: dS^T -> smem (swizzled, double-buffered), named barrier of both consumers,
+//                   dQ = dS K (SS, A = dS^T MN-major, B = K MN-major), fp32 atomics into the accumulator.
+// A consumer thread holds keys 16 v + g and 16 v + g + 8 of its warpgroup's 64 (v the warp in the
+// warpgroup), columns (rows of q) 8 i + 2 t (+1): the mma.sync C layout, so mask.h's MaskRows applies with
+// the key intervals of KeyInterval. dQ split: D 128, warpgroup w computes dQ columns [64 w, 64 w + 64) over
+// all 128 keys (N = 64, 8 k steps); D 64, warpgroup w computes all 64 columns over its own 64 keys (both
+// warpgroups add into the accumulator). Either way the dQ accumulator is 32 registers.
+// Epilogue: dK (scaled) and dV packed into the (now idle) Q / dO rings in the 128-byte swizzle, one TMA store
+// per 64-column chunk and warpgroup (keys past the end clipped by TMA).
+#pragma once
+
+#include "block_lists.h"
+#include "mask.h"
+#include "params.h"
+#include "scheduler.h"
+#include "sm90_ptx.h"
+#include "sm90_wgmma.h"
+#include "softmax.h"
+#include "tile_size_sm90.h"
+
+namespace magi_jax::cuda {
+
+struct BwdSm90Params {
+  CUtensorMap q_map, do_map;    // [Tq, Hq, D] as (D, Hq, Tq), boxes (64, 1, kBlockM)
+  CUtensorMap k_map, v_map;     // [Tk, Hkv, D], boxes (64, 1, kBlockN)
+  CUtensorMap dk_map, dv_map;   // [Tk, Hkv, D], boxes (64, 1, kKeysPerWarpgroup)
+  BwdParams base;
+};
+
+// fp32 C fragments (64 x 64) -> A register fragments of the four k16 steps (as the forward's PackP).
+template <typename T>
+MAGI_DEV void PackA64(const float (&s)[8][4], uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    a[kk][0] = Elem<T>::Pack(s[2 * kk][0], s[2 * kk][1]);
+    a[kk][1] = Elem<T>::Pack(s[2 * kk][2], s[2 * kk][3]);
+    a[kk][2] = Elem<T>::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[kk][3] = Elem<T>::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
+template <typename T, int D, bool kAtomicDq>
+__global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
+    FlashBwdSm90Kernel(const __grid_constant__ BwdSm90Params p) {
+  using Tile = BwdSm90Tile<D>;
+  constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages, kChunks = Tile::kChunks;
+  constexpr int WK = Tile::kKeysPerWarpgroup;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* sk = smem + Tile::kKOffset;
+  unsigned char* sv = smem + Tile::kVOffset;
+  unsigned char* sq = smem + Tile::kQOffset;
+  unsigned char* sdo = smem + Tile::kDoOffset;
+  float* slse = reinterpret_cast<float*>(smem + Tile::kLseOffset);
+  float* sdelta = reinterpret_cast<float*>(smem + Tile::kDeltaOffset);
+  unsigned char* sds = smem + Tile::kDsOffset;
+  auto& bars = *reinterpret_cast<BwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
+  const BwdParams& bp = p.base;
+  const SliceArgs& args = bp.slices;
+  const int kb = int(blockIdx.x), hk = int(blockIdx.y), group = bp.hq / bp.hkv;
+  const int64_t c0 = int64_t(kb) * BN, c1 = c0 + BN;
+
+  if (tid == 0) {
+    MbarInit(&bars.kv_full, 1);
+    for (int i = 0; i < kStages; ++i) {
+      MbarInit(&bars.row_full[i], 1);
+      MbarInit(&bars.row_empty[i], Tile::kConsumerWarpgroups);
+    }
+    MbarInitFence();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ------------------------------------------------------------------------------------------ producer
+    SetMaxRegsDec<Tile::kProducerRegs>();
+    if (warp != 0) return;
+    if (lane == 0) {
+      PrefetchTensorMap(&p.q_map);
+      PrefetchTensorMap(&p.do_map);
+      MbarArriveExpectTx(&bars.kv_full, 2 * Tile::kKvBytes);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        TmaLoad3d(sk + c * (BN * 128), &p.k_map, &bars.kv_full, 64 * c, hk, int(c0));
+        TmaLoad3d(sv + c * (BN * 128), &p.v_map, &bars.kv_full, 64 * c, hk, int(c0));
+      }
+    }
+    const int tq = args.tq, hq = bp.hq;
+    PipeState<kStages> ps;
+    const SliceWalk walk(args, bp.k_lists, kb);
+    KvStep st;
+    for (StartSlice(walk, args, c0, c1, walk.First(args), &st); st.cur >= 0;
+         AdvanceStep(walk, args, c0, c1, group, BM, &st)) {
+      const int h = hk * group + st.head;
+      if (lane == 0) MbarWait(&bars.row_empty[ps.stage], ps.phase ^ 1);
+      __syncwarp();
+#pragma unroll
+      for (int i = lane; i < BM; i += 32) {
+        const int64_t row = st.rb + i;
+        float l2 = INFINITY, dl = 0.0f;
+        if (row < tq) {
+          const float l = bp.lse[row * hq + h];
+          l2 = l == -INFINITY ? INFINITY : l * kLog2e;
+          dl = bp.delta[row * hq + h];
+        }
+        slse[ps.stage * BM + i] = l2;
+        sdelta[ps.stage * BM + i] = dl;
+      }
+      __syncwarp();  // the lanes' stores precede lane 0's arrive (release) below
+      if (lane == 0) {
+        MbarArriveExpectTx(&bars.row_full[ps.stage], 2 * Tile::kRowBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          TmaLoad3d(sq + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.q_map, &bars.row_full[ps.stage], 64 * c, h,
+                    int(st.rb));
+          TmaLoad3d(sdo + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.do_map, &bars.row_full[ps.stage], 64 * c,
+                    h, int(st.rb));
+        }
+      }
+      ps.Advance();
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------------- consumers
+  SetMaxRegsInc<Tile::kConsumerRegs>();
+  constexpr int DT = D / 8;
+  const int cw = wg - 1, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
+  const int tq = args.tq;
+  const bool softcap = bp.softcap > 0.0f;
+  const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
+  const int64_t wk0 = c0 + cw * WK;              // the warpgroup's first key
+  const int64_t key = wk0 + wwarp * 16 + g;      // this thread's keys: key, key + 8
+  // K-major A operands: the warpgroup's 64 keys of K and V (chunks BN * 128 bytes apart).
+  const uint64_t desc_k = SmemDesc128B(sk + cw * (WK * 128), 16);
+  const uint64_t desc_v = SmemDesc128B(sv + cw * (WK * 128), 16);
+  // Q / dO of stage 0 as K-major B (S^T, dP^T) and as MN-major B (dK, dV: LBO = the 64-column chunk stride).
+  const uint64_t desc_q_k = SmemDesc128B(sq, 16), desc_do_k = SmemDesc128B(sdo, 16);
+  const uint64_t desc_q_mn = SmemDesc128B(sq, BM * 128), desc_do_mn = SmemDesc128B(sdo, BM * 128);
+  // dQ = dS K: A = dS^T ([keys][rows], MN-major), B = K ([keys][D], MN-major), N = 64.
+  constexpr int kDqSteps = D == 128 ? BN / 16 : WK / 16;
+  const uint64_t desc_ds = SmemDesc128B(sds + (D == 128 ? 0 : cw * (WK * 128)), 64 * 128);
+  const uint64_t desc_k_dq = SmemDesc128B(sk + (D == 128 ? cw * (BN * 128) : cw * (WK * 128)), BN * 128);
+  const int dq_col0 = D == 128 ? cw * 64 : 0;
+
+  float dk[DT][4], dv[DT][4];
+#pragma unroll
+  for (int di = 0; di < DT; ++di)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[di][e] = dv[di][e] = 0.0f;
+
+  MbarWait(&bars.kv_full, 0);
+  PipeState<kStages> ps;
+  int buf = 0;
+  int klo[2], khi[2], interval_cur = -1;
+  const SliceWalk walk(args, bp.k_lists, kb);
+  KvStep st;
+  for (StartSlice(walk, args, c0, c1, walk.First(args), &st); st.cur >= 0;
+       AdvanceStep(walk, args, c0, c1, group, BM, &st)) {
+    if (st.cur != interval_cur) {
+      interval_cur = st.cur;
+      KeyInterval(st.s, key, &klo[0], &khi[0]);
+      KeyInterval(st.s, key + 8, &klo[1], &khi[1]);
+    }
+    const uint32_t stage_off = ps.stage * Tile::kRowBytes;
+    float s[1][8][4], dp[1][8][4];
+    MbarWait(&bars.row_full[ps.stage], ps.phase);
+    {
+      const uint64_t dq_k = DescAdd(desc_q_k, stage_off), ddo_k = DescAdd(desc_do_k, stage_off);
+      WgmmaFence();
+      Wgmma<T, 64>::template SSZero<0, 0>(s[0], desc_k, dq_k);
+#pragma unroll
+      for (int kk = 1; kk < D / 16; ++kk) {
+        const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+        Wgmma<T, 64>::template SS<0, 0>(s[0], DescAdd(desc_k, off_a), DescAdd(dq_k, off_b), 1);
+      }
+      Wgmma<T, 64>::template SSZero<0, 0>(dp[0], desc_v, ddo_k);
+#pragma unroll
+      for (int kk = 1; kk < D / 16; ++kk) {
+        const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+        Wgmma<T, 64>::template SS<0, 0>(dp[0], DescAdd(desc_v, off_a), DescAdd(ddo_k, off_b), 1);
+      }
+      WgmmaCommit();
+    }
+    const float* lse_s = slse + ps.stage * BM;
+    const float* delta_s = sdelta + ps.stage * BM;
+    WgmmaWait<0>();  // S^T and dP^T have landed
+    FenceRegs(s[0]);
+    FenceRegs(dp[0]);
+    if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
+    if (!KeyTileInterior(st.s, wk0, WK, st.rb, BM)) MaskRows<1, 8>(s, klo, khi, int(st.rb), t);
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
+      const float2 dl = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = s[0][ni][e];
+        const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
+        float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+        if (softcap) {
+          const float th = x / bp.softcap;
+          ds = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
+        }
+        s[0][ni][e] = prob;
+        dp[0][ni][e] = ds;
+      }
+    }
+    uint32_t pa[4][4], dsa[4][4];
+    PackA64<T>(s[0], pa);
+    PackA64<T>(dp[0], dsa);
+    {
+      const uint64_t dq_mn = DescAdd(desc_q_mn, stage_off), ddo_mn = DescAdd(desc_do_mn, stage_off);
+      FenceRegs(dv);
+      FenceRegs(dk);
+      FenceRegs(pa);
+      FenceRegs(dsa);
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T, D>::template RS<1>(dv, pa[kk], DescAdd(ddo_mn, kk * 2048), 1);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) Wgmma<T, D>::template RS<1>(dk, dsa[kk], DescAdd(dq_mn, kk * 2048), 1);
+      WgmmaCommit();
+    }
+    if constexpr (kAtomicDq) {
+      // dS^T rows (keys) of this thread into the swizzled [BN][BM] buffer, while dK / dV run.
+      unsigned char* ds_buf = sds + buf * Tile::kDsBytes;
+      const int kr = cw * WK + wwarp * 16 + g;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const int col = kk * 16 + 2 * t;
+        *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr, col)) = dsa[kk][0];
+        *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr + 8, col)) = dsa[kk][1];
+        *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr, col + 8)) = dsa[kk][2];
+        *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr + 8, col + 8)) = dsa[kk][3];
+      }
+      FenceProxyAsyncShared();
+      NamedBarrierSync(1, Tile::kConsumerThreads);  // both warpgroups' dS^T are in ds_buf
+      float dq[8][4];
+      const uint64_t da = DescAdd(desc_ds, buf * Tile::kDsBytes);
+      WgmmaFence();
+      Wgmma<T, 64>::template SSZero<1, 1>(dq, da, desc_k_dq);
+#pragma unroll
+      for (int kk = 1; kk < kDqSteps; ++kk)
+        Wgmma<T, 64>::template SS<1, 1>(dq, DescAdd(da, kk * 2048), DescAdd(desc_k_dq, kk * 2048), 1);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegs(dv);
+      FenceRegs(dk);
+      FenceRegs(dq);
+      if (wtid == 0) MbarArrive(&bars.row_empty[ps.stage]);
+      const int h = hk * group + st.head;
+      const int64_t q_stride = int64_t(bp.hq) * D;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = st.rb + wwarp * 16 + half * 8 + g;
+        if (row < tq) {
+          float* dst = bp.dq_accum + row * q_stride + int64_t(h) * D + dq_col0 + 2 * t;
+#pragma unroll
+          for (int di = 0; di < 8; ++di)
+            atomicAdd(reinterpret_cast<float2*>(dst + di * 8),
+                      make_float2(dq[di][2 * half] * bp.scale, dq[di][2 * half + 1] * bp.scale));
+        }
+      }
+      buf ^= 1;
+    } else {
+      WgmmaWait<0>();
+      FenceRegs(dv);
+      FenceRegs(dk);
+      if (wtid == 0) MbarArrive(&bars.row_empty[ps.stage]);
+    }
+    ps.Advance();
+  }
+
+  // -------------------------------------------------------------------------------------------- epilogue
+  // Every wgmma of both warpgroups is done and the producer has nothing in flight: the Q / dO rings are free.
+  NamedBarrierSync(2, Tile::kConsumerThreads);
+  unsigned char* stage_k = sq;   // [kChunks][BN][64]
+  unsigned char* stage_v = sdo;
+#pragma unroll
+  for (int di = 0; di < DT; ++di) {
+    const int col = di * 8 + 2 * t, chunk = col / 64, r = cw * WK + wwarp * 16 + g;
+    const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
+    *reinterpret_cast<uint32_t*>(stage_k + o0) = Elem<T>::Pack(dk[di][0] * bp.scale, dk[di][1] * bp.scale);
+    *reinterpret_cast<uint32_t*>(stage_k + o1) = Elem<T>::Pack(dk[di][2] * bp.scale, dk[di][3] * bp.scale);
+    *reinterpret_cast<uint32_t*>(stage_v + o0) = Elem<T>::Pack(dv[di][0], dv[di][1]);
+    *reinterpret_cast<uint32_t*>(stage_v + o1) = Elem<T>::Pack(dv[di][2], dv[di][3]);
+  }
+  FenceProxyAsyncShared();
+  NamedBarrierSync(3 + cw, 128);
+  if (wtid == 0) {
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      TmaStore3d(&p.dk_map, stage_k + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, int(wk0));
+      TmaStore3d(&p.dv_map, stage_v + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, int(wk0));
+    }
+    BulkCommit();
+    BulkWait();
+  }
+}
+
+}  // namespace magi_jax::cuda
