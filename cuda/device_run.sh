@@ -7,7 +7,8 @@
 # building blocks, the smoke tests (forward and backward) under a hard timeout (a barrier bug hangs instead
 # of failing; its log says so), then tests/test_ffa_sm90_gpu.py (the whole GPU suite with
 # MAGI_JAX_FFA_KERNEL=sm90, plus its own tests), then the bench with the ffa_sm90 column.
-# QUICK=1: only the quick subset of that file (what is new plus one test per type / dtype / head dim),
+# QUICK=1: only the quick subset of that file (26 tests past the smoke ones: what is new plus each mask
+# type, GQA, softcap, both head dims and dtypes), tests and bench 170 s each,
 # 8 workers, so that the whole call fits in 10 minutes.
 #   SUITE=sm90 QUICK=1 bash cuda/device_run.sh  # the next session's one command (about 7-9 minutes)
 set -u
@@ -20,8 +21,10 @@ if [ "$SUITE" = sm90 ]; then
   TEST_TIMEOUT=${TEST_TIMEOUT:-270}
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
   if [ "${QUICK:-0}" = 1 ]; then
-    TESTS=${TESTS:--k "sm90 or each_type_alone or mixed_types or gqa or softcap"}
-    TEST_TIMEOUT=${TEST_TIMEOUT_QUICK:-180}
+    QUICK_K="persistent or repeatable or agree or (each_type_alone and 128-bfloat16) or mixed_types or (gqa and 8-2) or softcap"
+    TESTS=${TESTS:-"-k '$QUICK_K'"}
+    TEST_TIMEOUT=${TEST_TIMEOUT_QUICK:-170}
+    BENCH_TIMEOUT=${BENCH_TIMEOUT_QUICK:-170}
     TEST_WORKERS=${TEST_WORKERS:-8}
   fi
 else

@@ -10,8 +10,9 @@ agreement of both with the mma.sync kernels.
 
 Run first, alone, with a hard timeout (a barrier bug hangs rather than fails):
     timeout 120 python -m pytest -q -x tests/test_ffa_sm90_gpu.py -k smoke
-A quick subset (what is new plus one test per mask type, dtype and head dim; cuda/device_run.sh QUICK=1):
-    python -m pytest -q tests/test_ffa_sm90_gpu.py -k "sm90 or each_type_alone or mixed_types or gqa"
+A quick subset (32 tests: what is new plus each mask type, GQA, softcap, both head dims and dtypes;
+cuda/device_run.sh QUICK=1):
+    python -m pytest -q tests/test_ffa_sm90_gpu.py -k "smoke or persistent or repeatable or agree or (each_type_alone and 128-bfloat16) or mixed_types or (gqa and 8-2) or softcap"
 """
 
 from __future__ import annotations
