@@ -12,8 +12,20 @@ import time
 from typing import Callable, Sequence
 
 import jax
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def doc_lengths(total: int, seed: int, mean: int = 4096, lo: int = 256) -> list[int]:
+    """Exponential document lengths (mean `mean`, at least `lo`) filling `total` tokens: the document
+    distribution of the peers' measurements (../shared/peers/anchors_varlen.py)."""
+    rng = np.random.default_rng(seed)
+    lens: list[int] = []
+    while sum(lens) < total:
+        n = int(max(lo, rng.exponential(mean)))
+        lens.append(min(n, total - sum(lens)))
+    return lens
 
 
 def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7) -> float:

@@ -51,20 +51,11 @@ from magi_jax import dist_attn, ffa, masks  # noqa: E402
 from magi_jax.mask import AttnMask, slice_areas  # noqa: E402
 from magi_jax.planner import make_plan  # noqa: E402
 from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
-from bench.common import append_report, attention_flops, markdown_table, median_seconds  # noqa: E402
+from bench.common import (append_report, attention_flops, doc_lengths, markdown_table,  # noqa: E402
+                          median_seconds)
 
 METHODS = ("magi", "allgather", "ring", "single")
 EXTRA_METHODS = ("magi_ppermute", "magi_a2a")       # magi with the transport forced (not run by default)
-
-
-def doc_lengths(total: int, seed: int, mean: int = 4096, lo: int = 256) -> list[int]:
-    """Exponential document lengths (mean `mean`, at least `lo`) filling `total` tokens."""
-    rng = np.random.default_rng(seed)
-    lens: list[int] = []
-    while sum(lens) < total:
-        n = int(max(lo, rng.exponential(mean)))
-        lens.append(min(n, total - sum(lens)))
-    return lens
 
 
 def make_mask(name: str, total: int, seed: int = 0, block: int = 2048) -> AttnMask:

@@ -45,14 +45,8 @@ H, D = 16, 128
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def doc_lengths(total: int, seed: int, mean: int = 4096, lo: int = 256) -> list[int]:
-    """Exponential document lengths with this mean, at least `lo` (../shared/peers/anchors_varlen.py)."""
-    rng = np.random.default_rng(seed)
-    lens: list[int] = []
-    while sum(lens) < total:
-        n = int(max(lo, rng.exponential(mean)))
-        lens.append(min(n, total - sum(lens)))
-    return lens
+sys.path.insert(0, str(ROOT))  # run as a script: make the repository's bench package importable
+from bench.common import doc_lengths  # noqa: E402
 
 
 def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
