@@ -106,11 +106,16 @@ def _gather_fwd(xs, ranges, out_len, out_dtype):
     return _gather(xs, ranges, out_len, out_dtype), (ranges, _like(xs[0]))
 
 
-def _gather_bwd(out_len, out_dtype, res, cts):
+def _transpose(target: str, res, cts) -> tuple:
+    """The mirror range op on the cotangents, back at the primal's length and dtype (gather <-> scatter-add)."""
     ranges, like = res
     cts = tuple(c.astype(cts[0].dtype) for c in cts)
-    grads = _range_call(_ffi.RANGE_SCATTER_ADD, cts, ranges, like.shape[0], None)
+    grads = _range_call(target, cts, ranges, like.shape[0], None)
     return match_varying((g.astype(like.dtype) for g in grads), like), None
+
+
+def _gather_bwd(out_len, out_dtype, res, cts):
+    return _transpose(_ffi.RANGE_SCATTER_ADD, res, cts)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -126,10 +131,7 @@ def _scatter_add_fwd(ys, ranges, out_len, out_dtype):
 
 
 def _scatter_add_bwd(out_len, out_dtype, res, cts):
-    ranges, like = res
-    cts = tuple(c.astype(cts[0].dtype) for c in cts)
-    grads = _range_call(_ffi.RANGE_GATHER, cts, ranges, like.shape[0], None)
-    return match_varying((g.astype(like.dtype) for g in grads), like), None
+    return _transpose(_ffi.RANGE_GATHER, res, cts)
 
 
 _scatter_add.defvjp(_scatter_add_fwd, _scatter_add_bwd)
