@@ -40,6 +40,18 @@ def _as_type_code(t: object) -> int:
     return code
 
 
+def _as_type_codes(types: object) -> np.ndarray:
+    """Type codes as int64; integer arrays are checked in one vectorised pass (masks may have 1e5 slices)."""
+    arr = np.asarray(types)
+    if arr.dtype.kind in "iu":
+        codes = arr.astype(np.int64).reshape(-1)
+        bad = np.nonzero((codes < AttnMaskType.FULL) | (codes > AttnMaskType.BI_CAUSAL))[0]
+        if bad.size:
+            _as_type_code(int(codes[bad[0]]))  # raises the named error
+        return codes
+    return np.array([_as_type_code(x) for x in np.asarray(types, dtype=object).reshape(-1)], dtype=np.int64)
+
+
 def _as_ranges(name: str, ranges: object, total: int) -> np.ndarray:
     arr = np.asarray(ranges)
     if arr.size == 0:  # an empty list has no integer dtype of its own
@@ -92,8 +104,7 @@ class AttnMask:
                 raise ValueError(f"{name}: expected a non-negative integer, got {v!r}")
         q = _as_ranges("q_ranges", q_ranges, int(total_seqlen_q))
         k = _as_ranges("k_ranges", k_ranges, int(total_seqlen_k))
-        t = np.array([_as_type_code(x) for x in np.asarray(types, dtype=object).reshape(-1)],
-                     dtype=np.int64)
+        t = _as_type_codes(types)
         if not (len(q) == len(k) == len(t)):
             raise ValueError(f"q_ranges, k_ranges and types must have the same length, got "
                              f"{len(q)}, {len(k)} and {len(t)}")
