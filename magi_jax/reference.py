@@ -1,7 +1,8 @@
 """Dense reference attention from an AttnMask: the independent check of every kernel.
 
-`attention_f64` is numpy float64 with a hand-written backward; `attention_dense` is the same function in
-jnp at any dtype (the "naive attention in its own precision" of the tolerance rule, DESIGN.md section 5).
+`attention_f64` is numpy float64 with a hand-written backward (einsums with optimize=True go through BLAS,
+~5x faster than numpy's loops); `attention_dense` is the same function in jnp at any dtype (the "naive
+attention in its own precision" of the tolerance rule, DESIGN.md section 5).
 A cell covered by c slices carries weight c in the softmax (log(c) added to its logit). O(Tq x Tk): tests only.
 """
 
@@ -30,7 +31,7 @@ def attention_f64(q, k, v, mask: AttnMask, softmax_scale: float | None = None, s
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     ke, ve = _expand_kv(k, hq), _expand_kv(v, hq)
     counts = mask.to_dense().astype(np.float64)[None]                      # [1, Tq, Tk]
-    raw = np.einsum("qhd,khd->hqk", q, ke) * scale
+    raw = np.einsum("qhd,khd->hqk", q, ke, optimize=True) * scale
     logits = softcap * np.tanh(raw / softcap) if softcap > 0 else raw
     visible = counts > 0
     masked = np.where(visible, logits + np.log(np.where(visible, counts, 1.0)), -np.inf)
@@ -41,18 +42,18 @@ def attention_f64(q, k, v, mask: AttnMask, softmax_scale: float | None = None, s
     p = e / np.where(total > 0, total, 1.0)                                 # [Hq, Tq, Tk]
     with np.errstate(divide="ignore"):
         lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0], -np.inf).T
-    out = np.einsum("hqk,khd->qhd", p, ve)
+    out = np.einsum("hqk,khd->qhd", p, ve, optimize=True)
     if dout is None:
         return out, lse
     dout = np.asarray(dout, np.float64)
     dlse_t = np.zeros((hq, q.shape[0])) if dlse is None else np.asarray(dlse, np.float64).T
-    dve = np.einsum("hqk,qhd->khd", p, dout)
-    dp = np.einsum("qhd,khd->hqk", dout, ve)
-    ds = p * (dp - np.einsum("qhd,qhd->hq", dout, out)[..., None] + dlse_t[..., None])
+    dve = np.einsum("hqk,qhd->khd", p, dout, optimize=True)
+    dp = np.einsum("qhd,khd->hqk", dout, ve, optimize=True)
+    ds = p * (dp - np.einsum("qhd,qhd->hq", dout, out, optimize=True)[..., None] + dlse_t[..., None])
     if softcap > 0:
         ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
-    dq = np.einsum("hqk,khd->qhd", ds, ke) * scale
-    dke = np.einsum("hqk,qhd->khd", ds, q) * scale
+    dq = np.einsum("hqk,khd->qhd", ds, ke, optimize=True) * scale
+    dke = np.einsum("hqk,qhd->khd", ds, q, optimize=True) * scale
     fold = lambda x: x.reshape(x.shape[0], hkv, hq // hkv, d).sum(2)     # sum the q heads of each kv head
     return out, lse, dq, fold(dke), fold(dve)
 
