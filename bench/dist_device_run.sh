@@ -1,23 +1,23 @@
 #!/bin/bash
 # One call on the 2-GPU device machine (issue 6): build the package, run the gpu-marked distributed tests,
-# profile the overlapped forward+backward (compiled schedule + jax.profiler trace, with the default XLA flags
-# and with the latency-hiding-scheduler flags spelled out), then run bench/dist.py. Logs go to $OUT (at most
-# 8 files come back: summary.txt, build.log, tests.log, profile.log, trace_default.json.gz,
-# trace_flags.json.gz, bench.log, dist_bench.json).
+# profile the overlapped forward+backward (compiled schedule + jax.profiler trace summary, once per variant of
+# XLA flags / environment), then run bench/dist.py. Logs go to $OUT (at most 8 files come back: summary.txt,
+# build.log, tests.log, profile.log, hlo_<variant>.txt, bench.log, dist_bench.json).
 #
 #   bash bench/dist_device_run.sh                       # all steps (may pass the 10-minute limit of one call)
 #   bash bench/dist_device_run.sh build tests           # then, on the same (warm) machine:
 #   bash bench/dist_device_run.sh build profile bench   # (the second build is incremental: seconds)
 #
-# Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, FLAGS_VARIANT (the XLA flags of the second
-# profile), *_TIMEOUT (seconds per step). Every step is time-limited so that partial results come back.
+# Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, PROFILE_VARIANTS ("name:VAR=v VAR='v w';..."),
+# *_TIMEOUT (seconds per step). Every step is time-limited so that partial results come back.
 set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/magi_dist_out}
 mkdir -p "$OUT"
 STEPS=${*:-build tests profile bench}
 SUMMARY="$OUT/summary.txt"
-FLAGS_VARIANT=${FLAGS_VARIANT:---xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_experimental_parallel_collective_overlap_limit=2}
+EARLY=--xla_gpu_experimental_collective_start_as_early_as_possible=true
+PROFILE_VARIANTS=${PROFILE_VARIANTS:-"default:MAGI_JAX_FFA_KERNEL=mma;early:XLA_FLAGS=$EARLY"}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 {
   echo "steps: $STEPS"
@@ -53,26 +53,21 @@ for s in $STEPS; do
       ;;
     profile)
       : > "$OUT/profile.log"
-      for variant in default flags; do
+      # One process per variant "name:VAR=value VAR=value" (XLA reads its flags once per process).
+      IFS=';' read -ra variants <<< "$PROFILE_VARIANTS"
+      for entry in "${variants[@]}"; do
+        variant=${entry%%:*}
+        eval "assignments=(${entry#*:})"  # quotes allowed: XLA_FLAGS='--a --b'
         dir=/tmp/magi_dist_trace_$variant
         rm -rf "$dir"
-        echo "=== profile, XLA flags: $variant" >> "$OUT/profile.log"
-        if [ $variant = default ]; then
-          step "profile ($variant)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
-            python3 bench/dist.py --profile "$dir" --profile-only --masks varlen_causal ${PROFILE_ARGS:-}
-        else
-          step "profile ($variant)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
-            env XLA_FLAGS="${XLA_FLAGS:-} $FLAGS_VARIANT" python3 bench/dist.py --profile "$dir" --profile-only \
-            --masks varlen_causal ${PROFILE_ARGS:-}
-        fi
-        trace=$(ls -t "$dir"/plugins/profile/*/perfetto_trace.json.gz 2>/dev/null | head -1)
-        if [ -n "$trace" ] && [ "$(stat -c %s "$trace")" -lt 15000000 ]; then
-          cp "$trace" "$OUT/trace_$variant.json.gz"
-        else
-          echo "trace ($variant): missing or over 15 MB: $trace" >> "$SUMMARY"
-        fi
+        echo "=== profile $variant: ${assignments[*]}" >> "$OUT/profile.log"
+        step "profile ($variant)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
+          env "${assignments[@]}" python3 bench/dist.py --profile "$dir" --profile-only --masks varlen_causal \
+          ${PROFILE_ARGS:-}
+        [ -f "$dir/hlo/magi_fwd_bwd.txt" ] && cp "$dir/hlo/magi_fwd_bwd.txt" "$OUT/hlo_$variant.txt"
       done
-      grep -E "^(profile|collectives|async collectives|/device|.*NCCL kernels)" "$OUT/profile.log" >> "$SUMMARY"
+      grep -E "^(===|profile|collectives|async collectives|  all|  collective|/device|.*NCCL kernels)" \
+        "$OUT/profile.log" >> "$SUMMARY"
       ;;
     bench)
       : > "$OUT/bench.log"

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from magi_jax.mask import AttnMask
 from magi_jax.planner import CostModel, make_plan
 from magi_jax.planner.plan import default_chunk_size
+from magi_jax.planner.stages import stage_timing
 
 from tests.test_planner_helpers import check_coverage, random_masks, varlen_causal
 
@@ -210,6 +211,29 @@ def test_cost_model_calibration_changes_stages():
     cal = CostModel.calibrated(attn_cells=1e9, attn_seconds=1e-3, num_heads_q=8, head_dim=64,
                                comm_bytes=1e8, comm_seconds=1e-3)
     assert cal.flops_per_s == pytest.approx(4 * 8 * 64 * 1e12) and cal.bytes_per_s == pytest.approx(1e11)
+
+
+def test_stage_timing_lets_ranks_peak_in_different_stages():
+    """Rank 0 heavy on host cells, rank 1 on remote ones: with one overlap stage their peaks run at the same
+    time, so degree 1 beats degree 0 (a bulk-synchronous sum of per-stage maxima would say the opposite)."""
+    model = CostModel(flops_per_s=1.0, bytes_per_s=1.0, collective_latency_s=0.0, launch_s=0.0, dtype_bytes=1)
+    host = np.array([10.0, 2.0])
+    dst, src, tokens = np.array([1, 0]), np.array([0, 1]), np.array([1.0, 1.0])
+    area, stage = np.array([8.0, 1.0]), np.zeros(2, np.int64)
+    kw = dict(cell_s=1.0, key_s=0.5, model=model)
+    fused = stage_timing(0, 2, host, dst, src, tokens, area, stage, **kw)
+    staged = stage_timing(1, 2, host, dst, src, tokens, area, stage, **kw)
+    # comm 0.5 (one key each way); fused: 0.5 + max(10 + 1, 2 + 8); staged: max(host, 0.5) + remote
+    assert fused.total == pytest.approx(11.5)
+    assert staged.per_rank == pytest.approx([11.0, 10.0]) and staged.total == pytest.approx(11.0)
+    # a slow network: stage 0's keys land after rank 1's host call, so rank 1 waits for them
+    slow = stage_timing(1, 2, host, dst, src, tokens, area, stage, cell_s=1.0, key_s=5.0, model=model)
+    assert slow.per_rank == pytest.approx([11.0, 13.0])
+
+
+def test_auto_overlap_prefers_a_stage_when_compute_hides_the_fetch():
+    plan = make_plan(varlen_causal([300, 500, 224]), cp=2, chunk_size=32)
+    assert plan.overlap_degree >= 1 and plan.num_stages >= 1
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -67,8 +67,8 @@ class PlanStats:
     sent_keys: np.ndarray      # int64 [cp] keys sent
     buffer_lens: tuple[int, ...]
     imbalance: float           # max area / mean area
-    predicted_time_s: float    # bulk-synchronous forward time from the cost model
-    rank_time_s: np.ndarray    # [cp] each rank's own critical path
+    predicted_time_s: float    # forward time from the cost model (stages.py: the slowest rank)
+    rank_time_s: np.ndarray    # [cp] each rank's finish time
     stage_comm_s: np.ndarray   # [stages]
     flops: float               # forward FLOPs over all ranks: 4 * area * Hq * D
 

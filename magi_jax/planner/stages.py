@@ -2,12 +2,17 @@
 
 Each rank's remote keys are split into ``degree`` stages of about equal size (in global key order). The
 distributed layer runs, per rank: host FFA || fetch stage 0; then FFA on stage i-1 || fetch stage i; then FFA
-on the last stage. The collectives synchronise the ranks, so the predicted time is bulk-synchronous:
+on the last stage. The collectives run back to back on their own stream from the start (none depends on an
+attention call) and end together on every rank; a rank's stage-i call starts once its previous call is done
+and stage i's keys have landed:
 
-    T = max(max_r host_r, comm_0) + sum_{i=1}^{d-1} max(max_r comp_{r,i-1}, comm_i) + max_r comp_{r,d-1}
+    land_i = sum_{j<=i} comm_j;   t_r = host_r;   t_r = max(t_r, land_i) + comp_{r,i} for i = 0..d-1
+    T = max_r t_r
 
 with ``comm_i = latency + key_seconds * max_r max(received_r,i, sent_r,i)`` and ``comp = launch +
-cell_seconds * area``. Degree 0 fetches everything first and runs one fused call:
+cell_seconds * area``. No rank waits for another's compute: a rank whose host part is large and one whose
+remote part is large overlap in time (a bulk-synchronous sum of per-stage maxima would not see that, and
+would wrongly prefer degree 0). Degree 0 fetches everything first and runs one fused call:
 ``T = comm_all + max_r (host_r + remote_r)``.
 """
 
@@ -53,11 +58,11 @@ class StageTiming:
     """Predicted seconds of one stage split (arrays per stage i = 0..d-1, per rank r)."""
 
     degree: int
-    total: float               # bulk-synchronous time of the whole forward call
+    total: float               # time of the whole forward call (the slowest rank)
     host: np.ndarray           # [cp] host compute
     comm: np.ndarray           # [d] collective of stage i
     comp: np.ndarray           # [d, cp] compute of stage i
-    per_rank: np.ndarray       # [cp] each rank's own critical path (others never waiting)
+    per_rank: np.ndarray       # [cp] each rank's finish time
 
 
 def assign_stages(dst: np.ndarray, start: np.ndarray, tokens: np.ndarray, cp: int, degree: int
@@ -99,11 +104,11 @@ def stage_timing(degree: int, cp: int, host_area: np.ndarray, dst: np.ndarray, s
     if degree == 0:
         fused = host + cell_s * comp_area[0]
         return StageTiming(0, float(comm[0] + fused.max()), host, comm, comp_area * cell_s,
-                           rank_comm[0] + fused)
+                           comm[0] + fused)
     comp = model.launch_s + cell_s * comp_area
-    total = max(host.max(), comm[0]) + comp[-1].max()
-    per_rank = np.maximum(host, rank_comm[0]) + comp[-1]
-    for i in range(1, d):
-        total += max(comp[i - 1].max(), comm[i])
-        per_rank = per_rank + np.maximum(comp[i - 1], rank_comm[i])
+    landed = np.cumsum(comm)
+    per_rank = host
+    for i in range(d):
+        per_rank = np.maximum(per_rank, landed[i]) + comp[i]
+    total = per_rank.max()
     return StageTiming(degree, float(total), host, comm, comp, per_rank)
