@@ -4,10 +4,15 @@
 // The walk is the mma.sync forward's (flash_fwd_kernel.h): per tile, every slice of the q block's list in
 // ascending id, per slice the key tiles its rows attend, ONE online softmax across all of them. Producer
 // and consumers walk the same steps (scheduler_sm90.h, FwdStep) and meet on the ring's barriers:
-//   producer warp:  for each tile: Q -> q_full; for each step j: K(j) -> k_full[j], V(j) -> v_full[j]
+//   producer warp:  for each tile: Q -> q_full[tile % 2]; for each step j: K(j) -> k_full[j],
+//                   V(j) -> v_full[j]. Q is double-buffered, so the next tile's Q loads during this
+//                   tile's mainloop.
 //   consumer wg:    S(j) = Q K(j)^T (SS wgmma) is issued, then O += P(j-1) V(j-1) (RS wgmma, P from
 //                   registers); the softmax of S(j) runs while the PV wgmma of step j-1 is in flight
 //                   (FA3's intra-warpgroup overlap); O is rescaled once that wgmma has landed.
+//   ping-pong:      the two consumer warpgroups take turns to issue their wgmmas (named barriers
+//                   kSchedBarrier + cw, FA3's scheduler barrier), so one warpgroup's softmax runs while
+//                   the other's GEMMs occupy the tensor cores, and their epilogues are staggered too.
 // Each consumer warpgroup owns 64 rows; a thread holds rows 16 w + g and 16 w + g + 8 of them (w the warp in
 // the warpgroup), i.e. the mma.sync C layout, so mask.h / softmax.h helpers apply with MT = 1.
 // Exact masking: tiles not wholly inside the slice for the warpgroup's 64 rows are masked per cell.
@@ -87,6 +92,14 @@ struct Sm90RowSoftmax {
   }
 };
 
+// Named barriers (0 is __syncthreads): 1 + cw the epilogue of consumer warpgroup cw (128 threads);
+// kSchedBarrier + cw its turn to issue wgmmas (256 threads: its own 128 sync, the other's 128 arrive).
+constexpr int kEpilogueBarrier = 1;
+constexpr int kSchedBarrier = 3;
+// The inter-warpgroup ping-pong on (false: both warpgroups issue freely, the behaviour before it; a one-line
+// switch to tell a ping-pong problem, hang or slowdown, from anything else).
+constexpr bool kPingPong = true;
+
 // P (fp32 C fragments of a 64 x kBlockN tile) -> the A register fragments of the k16 steps of O += P V.
 template <typename T, int NT>
 MAGI_DEV void PackP(const float (&s)[NT][4], uint32_t (&pa)[NT / 2][4]) {
@@ -111,7 +124,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   unsigned char* sk = smem + Tile::kKOffset;
   unsigned char* sv = smem + Tile::kVOffset;
   unsigned char* so = smem + Tile::kOOffset;
-  auto& bars = *reinterpret_cast<FwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
+  auto& bars = *reinterpret_cast<FwdSm90Barriers<kStages, Tile::kQStages>*>(smem + Tile::kBarOffset);
 
   // Warp-uniform by construction (a broadcast), which ptxas needs to see to keep the wgmmas asynchronous.
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
@@ -119,8 +132,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   const SliceArgs& args = fp.slices;
 
   if (tid == 0) {
-    MbarInit(&bars.q_full, 1);
-    MbarInit(&bars.q_empty, Tile::kConsumerWarpgroups);
+    for (int i = 0; i < Tile::kQStages; ++i) {
+      MbarInit(&bars.q_full[i], 1);
+      MbarInit(&bars.q_empty[i], Tile::kConsumerWarpgroups);
+    }
     for (int i = 0; i < kStages; ++i) {
       MbarInit(&bars.k_full[i], 1);
       MbarInit(&bars.v_full[i], 1);
@@ -147,7 +162,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     }
     PipeState<kStages> kv;
     PipeState<2> slot;
-    uint32_t q_phase = 0;
+    PipeState<Tile::kQStages> qs;
     int tile = blockIdx.x;
     while (true) {
       if (lane == 0) {
@@ -161,14 +176,17 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       DecodeTile(p, tile, &qb, &h);
       const int hk = h / (fp.hq / fp.hkv);
       const int64_t r0 = int64_t(qb) * BM;
+      // The Q buffer of two tiles ago is free once both warpgroups have issued that tile's last S: this
+      // load runs under the current tile's mainloop (the producer is at most kStages steps ahead of it).
       if (lane == 0) {
-        MbarWait(&bars.q_empty, q_phase ^ 1);
-        MbarArriveExpectTx(&bars.q_full, Tile::kQBytes);
+        MbarWait(&bars.q_empty[qs.stage], qs.phase ^ 1);
+        MbarArriveExpectTx(&bars.q_full[qs.stage], Tile::kQBytes);
+        unsigned char* sq_stage = sq + qs.stage * Tile::kQBytes;
 #pragma unroll
         for (int c = 0; c < kChunks; ++c)
-          TmaLoad3d(sq + c * (BM * 128), &p.q_map, &bars.q_full, 64 * c, h, int(r0));
+          TmaLoad3d(sq_stage + c * (BM * 128), &p.q_map, &bars.q_full[qs.stage], 64 * c, h, int(r0));
       }
-      q_phase ^= 1;
+      qs.Advance();
       const SliceWalk walk(args, fp.lists, qb);
       FwdStep st;
       for (FwdStepFrom(walk, args, r0, BM, walk.First(args), &st); st.cur >= 0;
@@ -204,15 +222,27 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   const int tq = args.tq;
   const bool softcap = fp.softcap > 0.0f;
   const float scale_log2 = (softcap ? 1.0f : fp.scale) * kLog2e;
-  // Descriptor bases: the warpgroup's 64 rows of Q; K and V of stage 0 (stages are kKvBytes apart).
-  const uint64_t desc_q = SmemDesc128B(sq + cw * (WM * 128), 16);
+  // Descriptor bases: K and V of stage 0 (stages are kKvBytes apart); Q's is made per tile (its buffer).
   const uint64_t desc_k = SmemDesc128B(sk, 16);
   const uint64_t desc_v = SmemDesc128B(sv, BN * 128);
   unsigned char* so_wg = so + cw * (WM * D * 2);  // [kChunks][64 rows][64], 128B swizzle
 
   PipeState<kStages> kv;
   PipeState<2> slot;
-  uint32_t q_phase = 0;
+  // Tiles taken so far: Q buffer q_iter % 2, phase (q_iter / 2) % 2. One register (not a PipeState and a
+  // descriptor kept across tiles): the D 64 consumers sit at the register limit.
+  uint32_t q_iter = 0;
+  // Ping-pong: warpgroup 0 takes the first turn, given by warpgroup 1 below; every later turn is handed over
+  // after a batch of wgmmas is issued (sched_sync / sched_arrive below). Both warpgroups walk the same steps
+  // of the same tiles (the walk is per q block), so the turns pair up; warpgroup 0 takes the one left over
+  // after the loop, leaving both barriers as they started.
+  auto sched_sync = [&]() {
+    if constexpr (kPingPong) NamedBarrierSync(kSchedBarrier + cw, Tile::kConsumerThreads);
+  };
+  auto sched_arrive = [&]() {
+    if constexpr (kPingPong) NamedBarrierArrive(kSchedBarrier + (cw ^ 1), Tile::kConsumerThreads);
+  };
+  if (cw == 1) sched_arrive();  // warpgroup 0's first turn
   while (true) {
     MbarWait(&bars.tile_full[slot.stage], slot.phase);
     const int tile = __shfl_sync(0xffffffffu, bars.tile[slot.stage], 0);  // uniform, visibly
@@ -234,8 +264,11 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     int lo[2], hi[2];
     TileRange interior{1, 0};
 
-    MbarWait(&bars.q_full, q_phase);
-    q_phase ^= 1;
+    const int q_stage = int(q_iter & 1);
+    MbarWait(&bars.q_full[q_stage], (q_iter >> 1) & 1);
+    ++q_iter;
+    // The warpgroup's 64 rows of this tile's Q buffer.
+    const uint64_t desc_q_tile = SmemDesc128B(sq + q_stage * Tile::kQBytes + cw * (WM * 128), 16);
     const SliceWalk walk(args, fp.lists, qb);
     FwdStep st;
     FwdStepFrom(walk, args, r0, BM, walk.First(args), &st);
@@ -245,16 +278,18 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       RowInterval(st.s, row + 8, &lo[1], &hi[1]);
       interior = InteriorKeyTiles(st.s, wr0, WM, BN);
     };
-    // S(j) = Q K(j)^T for the current stage, issued (not waited).
+    // S(j) = Q K(j)^T for the current stage, issued (not waited). Waits for K before taking the turn (FA3's
+    // order): a warpgroup holding the turn should not sit on a TMA.
     auto issue_s = [&]() {
       MbarWait(&bars.k_full[kv.stage], kv.phase);
+      sched_sync();
       const uint64_t dk = DescAdd(desc_k, kv.stage * Tile::kKvBytes);
       WgmmaFence();
-      Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc_q, dk);
+      Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc_q_tile, dk);
 #pragma unroll
       for (int kk = 1; kk < D / 16; ++kk) {
         const uint32_t off_q = (kk / 4) * (BM * 128) + (kk % 4) * 32, off_k = (kk / 4) * (BN * 128) + (kk % 4) * 32;
-        Wgmma<T, BN>::template SS<0, 0>(s[0], DescAdd(desc_q, off_q), DescAdd(dk, off_k), 1);
+        Wgmma<T, BN>::template SS<0, 0>(s[0], DescAdd(desc_q_tile, off_q), DescAdd(dk, off_k), 1);
       }
       WgmmaCommit();
     };
@@ -283,9 +318,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       if (wtid == 0) MbarArrive(bar);
     };
 
+    // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the first S and the last PV
+    // of a tile are a batch each. Same count in both warpgroups.
     if (st.cur >= 0) {
       start_slice();
       issue_s();
+      sched_arrive();
       WgmmaWait<0>();
       release(&bars.k_empty[kv.stage]);
       float alpha[2];
@@ -300,6 +338,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         }
         issue_s();
         issue_pv(prev);
+        sched_arrive();
         WgmmaWait<1>();  // S(j) has landed
         release(&bars.k_empty[kv.stage]);
         softmax_s(alpha);
@@ -311,20 +350,23 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         prev = kv;
         kv.Advance();
       }
-      release(&bars.q_empty);  // the last S wgmma has landed
+      release(&bars.q_empty[q_stage]);  // the last S wgmma has landed
+      MbarWait(&bars.v_full[prev.stage], prev.phase);  // V before the turn, as K in issue_s
+      sched_sync();
       issue_pv(prev);
+      sched_arrive();
       WgmmaWait<0>();
       FenceRegs(o);
       release(&bars.v_empty[prev.stage]);
     } else {
-      release(&bars.q_empty);
+      release(&bars.q_empty[q_stage]);
     }
 
     // -------------------------------------------------------------------------------------------- epilogue
     float lse[2];
     softmax.Finish(o, scale_log2, lse);
     if (wtid == 0) BulkWaitRead();  // the previous tile's store has read the staging buffer
-    NamedBarrierSync(1 + cw, 128);
+    NamedBarrierSync(kEpilogueBarrier + cw, 128);
 #pragma unroll
     for (int di = 0; di < DT; ++di) {
       const int col = di * 8 + 2 * t, chunk = col / 64, r = wwarp * 16 + g;
@@ -333,7 +375,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       *reinterpret_cast<uint32_t*>(base + Swizzle128B(r + 8, col % 64)) = Elem<T>::Pack(o[di][2], o[di][3]);
     }
     FenceProxyAsyncShared();
-    NamedBarrierSync(1 + cw, 128);
+    NamedBarrierSync(kEpilogueBarrier + cw, 128);
     if (wtid == 0) {
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) TmaStore3d(&p.out_map, so_wg + c * (WM * 128), 64 * c, h, int(wr0));
@@ -344,6 +386,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       if (row + 8 < tq) fp.lse[(row + 8) * fp.hq + h] = lse[1];
     }
   }
+  if (cw == 0) sched_sync();  // the turn warpgroup 1 handed over last
   if (wtid == 0) BulkWait();
 }
 

@@ -89,6 +89,11 @@ MAGI_DEV void FenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::
 MAGI_DEV void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts this thread towards barrier `id` (of `threads` in all) without waiting: the signalling half of a
+// handshake whose other side calls NamedBarrierSync with the same count.
+MAGI_DEV void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 template <int kRegs>
 MAGI_DEV void SetMaxRegsInc() {

@@ -18,6 +18,10 @@ struct FwdSm90Tile {
   static constexpr int kBlockM = 128;  // = kQBlock: the q-block slice lists serve both forward kernels
   static constexpr int kBlockN = 128;
   static constexpr int kStages = D <= 64 ? 4 : 2;
+  // Two Q buffers: the producer loads the next tile's Q while this tile's mainloop runs (with one, the load
+  // could only start once both warpgroups had issued this tile's last S, and its latency showed at every
+  // tile start: a per-tile cost that weighs most on short walks, varlen and sliding windows).
+  static constexpr int kQStages = 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -31,7 +35,7 @@ struct FwdSm90Tile {
   static constexpr uint32_t kKvBytes = kBlockN * D * 2;  // one K or V tile
   static constexpr uint32_t kOBytes = kBlockM * D * 2;   // output staging, kRowsPerWarpgroup rows per consumer
   static constexpr uint32_t kQOffset = 0;
-  static constexpr uint32_t kKOffset = kQOffset + kQBytes;
+  static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kKvBytes;
   static constexpr uint32_t kOOffset = kVOffset + kStages * kKvBytes;
   static constexpr uint32_t kBarOffset = kOOffset + kOBytes;
@@ -46,9 +50,9 @@ struct FwdSm90Tile {
 };
 
 // The mbarriers and the tile ring, at kBarOffset.
-template <int kStages>
+template <int kStages, int kQStages>
 struct FwdSm90Barriers {
-  uint64_t q_full, q_empty;
+  uint64_t q_full[kQStages], q_empty[kQStages];
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
   uint64_t tile_full[2], tile_empty[2];
