@@ -55,7 +55,9 @@ from bench.common import (append_report, attention_flops, doc_lengths, markdown_
                           median_seconds)
 
 METHODS = ("magi", "allgather", "ring", "single")
-EXTRA_METHODS = ("magi_ppermute", "magi_a2a")       # magi with the transport forced (not run by default)
+# magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
+# staged backward (not run by default)
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_staged")
 
 
 def make_mask(name: str, total: int, seed: int = 0, block: int = 2048) -> AttnMask:
@@ -125,11 +127,12 @@ def _ffa(q, k, v, rows, scale):
     return ffa._ffa(q, k, v, *rows, scale, 0.0, False)
 
 
-def build_magi(mask, mesh, args, transport=None):
+def build_magi(mask, mesh, args, transport=None, overlap=None, backward="fused"):
+    overlap = (args.overlap if args.overlap == "auto" else int(args.overlap)) if overlap is None else overlap
     mp = mj.plan(mask, mesh, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
-                 overlap=args.overlap if args.overlap == "auto" else int(args.overlap))
+                 overlap=overlap)
     transport = transport or args.transport
-    return (lambda q, k, v: mj.calc_attn(q, k, v, mp, transport=transport)), mp
+    return (lambda q, k, v: mj.calc_attn(q, k, v, mp, transport=transport, backward=backward)), mp
 
 
 def _zigzag(mask, mesh, args) -> DistAttnPlan:
@@ -220,7 +223,9 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
     reference = None
     builders = {"magi": build_magi, "allgather": build_allgather, "ring": build_ring,
                 "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
-                "magi_a2a": functools.partial(build_magi, transport="all_to_all")}
+                "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
+                "magi_fused": functools.partial(build_magi, overlap=0),
+                "magi_staged": functools.partial(build_magi, backward="staged")}
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n, "tokens": total, "area": area}
         try:

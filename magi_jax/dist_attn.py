@@ -13,15 +13,16 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
               FFA(local q, stage i receive buffer, stage i slices) -> (out_i, lse_i)
               out, lse = lse-merge of all parts
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
-              FFA bwd(stage i) -> dq_i, partial dk_i/dv_i over the receive buffer (with the merged out/lse)
-              group_reduce(dk_i, dv_i) -> back to the owners; dq stays local
-              FFA bwd(host) -> dq_h, dk_h, dv_h          -- last: it hides the last group_reduce
-              dk = dk_h + returned partials, summed in float32 (in place: only the rows that were sent)
+              FFA bwd(local q, concat(local kv, every receive buffer), fused slices) -> dq, dk, dv
+              group_reduce(dk, dv of each stage's rows) -> back to the owners; dq stays local
+              dk = local rows + returned partials, summed in float32
+    (backward="staged": FFA bwd per stage, each stage's group_reduce under the next stage's call and the
+    host call last; more calls, each with its own preprocess and dQ pass.)
 
-No group_cast depends on an attention call and each group_reduce only on its own stage's backward call, so
-XLA's latency-hiding scheduler is free to run stage i's transfer under the host or stage i-1's kernel, and
-group_reduce i under FFA bwd i+1 (or the host's). A plan of overlap degree 0 fetches
-everything in one stage and runs one fused call over ``concat(local kv, received kv)``.
+No group_cast depends on an attention call, so XLA's latency-hiding scheduler is free to run stage i's
+transfer under the host or stage i-1's kernel (and a staged backward's group_reduce i under FFA bwd i+1).
+A plan of overlap degree 0 fetches everything in one stage and runs one fused call over
+``concat(local kv, received kv)`` in the forward too.
 """
 
 from __future__ import annotations
@@ -267,8 +268,9 @@ class StageRun:
 
 @dataclass(frozen=True, eq=False)
 class RunTables:
-    """What every rank's body needs, per (plan, transport): host slices, stages, and for a degree-0 plan the
-    fused slices whose keys index ``concat(local kv, stage 0 receive buffer)``."""
+    """What every rank's body needs, per (plan, transport): host slices, stages, and the fused slices whose
+    keys index ``concat(local kv, stage 0 receive buffer, stage 1 receive buffer, ...)`` (None without
+    stages): the one call of a degree-0 forward, and of the fused backward."""
 
     host: tuple[np.ndarray, np.ndarray, np.ndarray]
     stages: tuple[StageRun, ...]
@@ -285,28 +287,29 @@ def run_tables(p: DistAttnPlan, transport: str = "auto") -> RunTables:
         k = tables.remap_keys(st.slices.k_ranges)
         stages.append(StageRun(tables, (st.slices.q_ranges, k, st.slices.types)))
     fused = None
-    if p.overlap_degree == 0 and len(stages) == 1:
-        q0, k0, t0 = stages[0].slices
-        fused = _concat_slices(host, (q0, np.where(q0[..., 1:] > q0[..., :1], k0 + p.local_len, 0), t0))
-    for a in (fused or ()):
-        a.setflags(write=False)
+    if stages:
+        offsets = np.cumsum([p.local_len] + [st.tables.buffer_len for st in stages])
+        fused = _concat_slices([host] + [st.slices for st in stages], [0, *offsets[:-1]])
+        for a in fused:
+            a.setflags(write=False)
     return RunTables(host, tuple(stages), fused)
 
 
-def _concat_slices(a, b):
-    """Two per-rank slice sets -> one, live slices first, padded with empty slices."""
-    cp = a[0].shape[0]
-    live = lambda s: s[0][..., 1] > s[0][..., 0]
-    n = max(int((live(a).sum(1) + live(b).sum(1)).max()), 1)
+def _concat_slices(sets, key_offsets):
+    """Per-rank slice sets -> one, keys shifted by each set's offset, live slices first, padded with empty
+    slices."""
+    cp = sets[0][0].shape[0]
+    live = [s[0][..., 1] > s[0][..., 0] for s in sets]
+    n = max(int(sum(m.sum(1) for m in live).max()), 1)
     q = np.zeros((cp, n, 2), np.int32)
     k = np.zeros((cp, n, 2), np.int32)
     t = np.zeros((cp, n), np.int32)
     for r in range(cp):
-        rows = [(s[0][r][live(s)[r]], s[1][r][live(s)[r]], s[2][r][live(s)[r]]) for s in (a, b)]
-        m = sum(len(x[0]) for x in rows)
-        q[r, :m] = np.concatenate([x[0] for x in rows])
-        k[r, :m] = np.concatenate([x[1] for x in rows])
-        t[r, :m] = np.concatenate([x[2] for x in rows])
+        parts = [(s[0][r][m[r]], s[1][r][m[r]] + off, s[2][r][m[r]]) for s, m, off in zip(sets, live, key_offsets)]
+        m = sum(len(x[0]) for x in parts)
+        q[r, :m] = np.concatenate([x[0] for x in parts])
+        k[r, :m] = np.concatenate([x[1] for x in parts])
+        t[r, :m] = np.concatenate([x[2] for x in parts])
     return q, k, t
 
 
@@ -321,6 +324,7 @@ class _Config:
     softcap: float
     deterministic: bool
     wire_dtype: str | None
+    backward: str
 
     @property
     def tables(self) -> RunTables:
@@ -364,13 +368,16 @@ def _merge(parts, dtype):
 def _forward(q, k, v, cfg: _Config):
     tabs, r = cfg.tables, _rank(cfg)
     axis = cfg.plan.axis
-    if tabs.fused is not None:
-        rk, rv = group_cast((k, v), tabs.stages[0].tables, axis)
-        return _fwd_call(cfg, q, jnp.concatenate([k, rk]), jnp.concatenate([v, rv]), tabs.fused, r)
     recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
+    if cfg.plan.overlap_degree == 0 and recv:
+        return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
     parts = [_fwd_call(cfg, q, k, v, tabs.host, r)]
     parts += [_fwd_call(cfg, q, rk, rv, st.slices, r) for st, (rk, rv) in zip(tabs.stages, recv)]
     return _merge(parts, q.dtype)
+
+
+def _concat_kv(k, v, recv):
+    return jnp.concatenate([k, *(rk for rk, _ in recv)]), jnp.concatenate([v, *(rv for _, rv in recv)])
 
 
 def _backward(cfg: _Config, res, cts):
@@ -398,27 +405,30 @@ def _backward_body(cfg: _Config, res, cts):
     tabs, r, axis = cfg.tables, _rank(cfg), cfg.plan.axis
     L = k.shape[0]
     wire = cfg.wire_dtype and jnp.dtype(cfg.wire_dtype)
-    if tabs.fused is not None:
-        st = tabs.stages[0].tables
-        rk, rv = group_cast((k, v), st, axis)
-        dq, dkk, dvv = _bwd_call(cfg, q, jnp.concatenate([k, rk]), jnp.concatenate([v, rv]), out, dout, lse,
-                                 dlse, tabs.fused, r)
-        back = return_partials((dkk[L:], dvv[L:]), st, axis, wire)
-        dk, dv = _add_partials([back], [st], axis, (dkk[:L], dvv[:L]))
-        return dq, dk, dv
     if not tabs.stages:
         return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
-    # Stages first, the host call last: stage i's partials travel back under stage i+1's call, the last ones
-    # under the host call. (The re-fetch is the forward's group_cast again; in one jitted module XLA merges
-    # the two, so the forward's receive buffers are reused rather than fetched twice.)
+    # The re-fetch is the forward's group_cast again: in one jitted module XLA merges the two, so the
+    # forward's receive buffers are reused rather than fetched twice.
     recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
+    tables = [st.tables for st in tabs.stages]
+    if cfg.backward == "fused" or cfg.plan.overlap_degree == 0:
+        # One call over concat(local, every receive buffer): one preprocess, one dQ accumulator and one
+        # kernel tail instead of one per stage; the partials then travel back (not overlapped).
+        dq, dkk, dvv = _bwd_call(cfg, q, *_concat_kv(k, v, recv), out, dout, lse, dlse, tabs.fused, r)
+        ends = np.cumsum([L] + [t.buffer_len for t in tables])
+        backs = [return_partials((dkk[a:b], dvv[a:b]), t, axis, wire)
+                 for t, a, b in zip(tables, ends[:-1], ends[1:])]
+        dk, dv = _add_partials(backs, tables, axis, (dkk[:L], dvv[:L]))
+        return dq, dk, dv
+    # Staged: stages first, the host call last: stage i's partials travel back under stage i+1's call,
+    # the last ones under the host call.
     dq, backs = None, []
     for st, (rk, rv) in zip(tabs.stages, recv):
         dq_i, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r)
         backs.append(return_partials((dk_i, dv_i), st.tables, axis, wire))
         dq = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)
     dq_h, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
-    dk, dv = _add_partials(backs, [st.tables for st in tabs.stages], axis, (dk_h, dv_h))
+    dk, dv = _add_partials(backs, tables, axis, (dk_h, dv_h))
     return (dq + dq_h.astype(jnp.float32)).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -435,27 +445,36 @@ def _attn_fwd(q, k, v, cfg):
 _attn.defvjp(_attn_fwd, _backward)
 
 
-def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype
-            ) -> _Config:
+BACKWARDS = ("fused", "staged")
+
+
+def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype,
+            backward) -> _Config:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     if not softcap >= 0.0:
         raise ValueError(f"softcap: must be >= 0, got {softcap}")
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
-    return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire)
+    return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire, backward)
 
 
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
-                    transport: str = "auto", reduce_wire_dtype=None) -> tuple[jax.Array, jax.Array]:
+                    transport: str = "auto", reduce_wire_dtype=None, backward: str = "fused"
+                    ) -> tuple[jax.Array, jax.Array]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
 
     q [L, Hq, D], k/v [L, Hkv, D]: this rank's local buffers (L = plan.local_len), or with one leading batch
     dim [B, L, ...] (every batch element has the plan's mask). Returns out [.., L, Hq, D] in q's dtype and
     lse [.., L, Hq] float32. Options: ``transport`` of the group collectives ("auto", "all_to_all",
     "ppermute"); ``reduce_wire_dtype``: dtype of dK/dV partials on the wire in the backward (default: the
-    kernel's output dtype, i.e. q's; the sum is always float32); the rest as flex_flash_attn.
+    kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "fused" (default: one FFA
+    backward call over the local and all fetched keys, then the partials travel back) or "staged" (one call
+    per stage, each stage's partials travelling back under the next call; more calls, each with its own
+    preprocess and dQ pass: measured slower on 2 H200s, BENCHMARKS.md); the rest as flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -466,7 +485,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     if not q.ndim == k.ndim == v.ndim or q.shape[:-3] != k.shape[:-3]:
         raise ValueError(f"q, k, v: batch dims differ: {q.shape}, {k.shape}, {v.shape}")
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
-    cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype)
+    cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
+                  backward)
     if q.ndim == 3:
         return _attn(q, k, v, cfg)
     outs = [_attn(q[b], k[b], v[b], cfg) for b in range(q.shape[0])]
@@ -483,7 +503,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
     replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype)."""
+    reduce_wire_dtype, backward)."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -498,4 +518,4 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
 
 
 __all__ = ["MeshPlan", "plan", "dispatch", "undispatch", "position_ids", "calc_attn", "calc_attn_local",
-           "run_tables", "RunTables", "StageRun"]
+           "run_tables", "RunTables", "StageRun", "BACKWARDS"]

@@ -38,8 +38,9 @@ def test_mask_families(name, cp, overlap):
 
 
 @pytest.mark.parametrize("seed, cp, overlap", [(0, 2, 2), (1, 4, 3), (2, 8, 0), (3, 4, "auto"), (4, 8, 4)])
-def test_random_masks(seed, cp, overlap):
-    check_dist(random_mask(seed), mesh_of(cp), overlap=overlap, seed=seed)
+@pytest.mark.parametrize("backward", ["fused", "staged"])
+def test_random_masks(seed, cp, overlap, backward):
+    check_dist(random_mask(seed), mesh_of(cp), overlap=overlap, seed=seed, backward=backward)
 
 
 @pytest.mark.parametrize("transport", ["all_to_all", "ppermute"])
@@ -238,6 +239,8 @@ def test_bad_arguments():
         mj.calc_attn(q[:380], q[:380], q[:380], mp)
     with pytest.raises(ValueError, match="transport"):
         mj.calc_attn(q, q, q, mp, transport="ragged")
+    with pytest.raises(ValueError, match="backward"):
+        mj.calc_attn(q, q, q, mp, backward="pipelined")
     with pytest.raises(ValueError, match="the mesh has"):
         mj.calc_attn(q, q, q, make_plan(mask, 4, chunk_size=16), mesh=mesh)
     with pytest.raises(ValueError, match="no mesh"):
@@ -248,22 +251,25 @@ def test_bad_arguments():
         mj.dispatch(q, "plan")
 
 
-@pytest.mark.parametrize("overlap", [0, 3])
-def test_no_transfer_waits_for_another_stage(overlap):
+@pytest.mark.parametrize("overlap, backward", [(0, "fused"), (3, "fused"), (3, "staged")])
+def test_no_transfer_waits_for_another_stage(overlap, backward):
     """In the compiled forward+backward, group_cast transfers depend on no attention call and each
-    group_reduce transfer on one backward call (its own stage's): the dependency half of the overlap."""
+    group_reduce transfer on one backward call (staged: its own stage's): the dependency half of the
+    overlap."""
     mp = mj.plan(masks.varlen_causal(DOCS), mesh_of(4), chunk_size=16, overlap=overlap, num_heads_q=2,
                  head_dim=64)
     q = jnp.zeros((mp.padded_seqlen, 2, 64), jnp.float32)
 
     def step(q, k, v):
-        (out, lse), vjp = jax.vjp(lambda q, k, v: mj.calc_attn(q, k, v, mp), q, k, v)
+        (out, lse), vjp = jax.vjp(lambda q, k, v: mj.calc_attn(q, k, v, mp, backward=backward), q, k, v)
         return out, vjp((out, lse))
 
     text = jax.jit(step).lower(q, q, q).compile().as_text()
     ops = count_ops(text)
     stages = max(mp.num_stages, 1)
-    assert ops["ffa"] == (2 if overlap == 0 else 2 * (stages + 1))
+    forward_calls = 1 if overlap == 0 else stages + 1
+    backward_calls = stages + 1 if backward == "staged" else 1
+    assert ops["ffa"] == forward_calls + backward_calls
     deps = collective_dependencies(text)
     assert deps and ops["collectives"] == len(deps)
     casts = [n for n, d in deps.items() if not d]
@@ -272,8 +278,9 @@ def test_no_transfer_waits_for_another_stage(overlap):
     for d in reduces:
         bwd = [n for n, t in d.items() if t == "magi_jax_ffa_bwd"]
         assert len(bwd) == 1, d
-    # Every stage's reduce waits for a different backward call.
-    assert len({n for d in reduces for n, t in d.items() if t == "magi_jax_ffa_bwd"}) == stages
+    # Staged: every stage's reduce waits for a different backward call; fused: all for the one call.
+    waited = {n for d in reduces for n, t in d.items() if t == "magi_jax_ffa_bwd"}
+    assert len(waited) == (stages if backward == "staged" else 1)
 
 
 def test_explicit_mesh_from_make_mesh():
