@@ -9,13 +9,20 @@
 //                   P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - delta) (exact mask per cell unless the
 //                   tile is interior for the warpgroup's 64 keys),
 //                   dV += P^T dO, dK += dS^T Q (RS: P^T / dS^T packed in registers; dO, Q MN-major),
-//                   kAtomicDq: dS^T -> smem (swizzled, double-buffered), named barrier of both consumers,
-//                   dQ = dS K (SS, A = dS^T MN-major, B = K MN-major), fp32 atomics into the accumulator.
+//                   kDq: dS^T -> smem (swizzled, double-buffered), named barrier of both consumers,
+//                   dQ = dS K (SS, A = dS^T MN-major, B = K MN-major), scaled dQ -> the warpgroup's fp32
+//                   staging buffer, one TMA reduce-add (cp.reduce.async.bulk.tensor .add) of the 64 x 64
+//                   box into the accumulator.
 // A consumer thread holds keys 16 v + g and 16 v + g + 8 of its warpgroup's 64 (v the warp in the
 // warpgroup), columns (rows of q) 8 i + 2 t (+1): the mma.sync C layout, so mask.h's MaskRows applies with
 // the key intervals of KeyInterval. dQ split: D 128, warpgroup w computes dQ columns [64 w, 64 w + 64) over
 // all 128 keys (N = 64, 8 k steps); D 64, warpgroup w computes all 64 columns over its own 64 keys (both
 // warpgroups add into the accumulator). Either way the dQ accumulator is 32 registers.
+// dQ reduce: rather than 16 float2 atomics per thread per step (REDG, each a scattered 32-byte L2 atomic),
+// the threads store their fragment into the warpgroup's buffer (conflict-free, StoreDq), fence.proxy.async,
+// a warpgroup barrier, and one thread issues the box (rows past Tq skipped by TMA, as the atomics skipped
+// them). The buffer is rewritten one step later, after the issuing thread's cp.async.bulk.wait_group.read,
+// which the next step's consumer barrier 1 orders before every thread's stores: no extra barrier.
 // Epilogue: dK (scaled) and dV packed into the (now idle) Q / dO rings in the 128-byte swizzle, one TMA store
 // per 64-column chunk and warpgroup (keys past the end clipped by TMA).
 #pragma once
@@ -35,6 +42,7 @@ struct BwdSm90Params {
   CUtensorMap q_map, do_map;    // [Tq, Hq, D] as (D, Hq, Tq), boxes (64, 1, kBlockM)
   CUtensorMap k_map, v_map;     // [Tk, Hkv, D], boxes (64, 1, kBlockN)
   CUtensorMap dk_map, dv_map;   // [Tk, Hkv, D], boxes (64, 1, kKeysPerWarpgroup)
+  CUtensorMap dq_map;           // dq_accum [Tq, Hq, D] fp32 as (32, D / 32, Hq, Tq), boxes (32, 2, 1, kBlockM)
   BwdParams base;
 };
 
@@ -50,7 +58,37 @@ MAGI_DEV void PackA64(const float (&s)[8][4], uint32_t (&a)[4][4]) {
   }
 }
 
-template <typename T, int D, bool kAtomicDq>
+// A warpgroup's dQ buffer is the dq_map box: 128-byte lines ordered (row, 32-column chunk c), line
+// l = 2 row + c, its 16-byte units XOR-ed by l & 7 (TMA's 128-byte swizzle; the buffer is 1024-byte
+// aligned). Thread (g, t) of warp w stores row r = 16 w + 8 half + g, columns 8 di + 2 t (+1), di = 4 c + a:
+// l & 7 = 2 (g & 3) + c, so the byte offset is
+//   (32 w + 2 g) * 128 + 2048 half + 128 c + ((8 t ^ 32 (g & 3)) ^ (32 a + 16 c)):
+// one per-thread base (DqStoreBase), XOR-ed by a constant per (c, a), plus an immediate per (half, c).
+// A half-warp's float2 stores (g = 0..3, t = 0..3) then hit 8 distinct units, all 32 banks: g sits in the
+// XOR's upper two bits, t / 2 in the lowest.
+// Computed where it is used (%laneid is read by a volatile asm: not hoisted), not held across the consumer
+// loop, which sits at R229 of its 232 registers: one more live register put the D 128 kernels into spills.
+MAGI_DEV uint32_t DqStoreBase(const void* buf, int wwarp) {
+  uint32_t lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  const uint32_t g = lane >> 2, t = lane & 3;
+  return SmemAddr(buf) + (32u * wwarp + 2u * g) * 128u + ((8u * t) ^ (32u * (g & 3)));
+}
+// The 16 float2 of a thread's scaled dQ fragment (64 rows x 64 columns C layout) into the buffer.
+MAGI_DEV void StoreDq(uint32_t base, const float (&dq)[8][4], float scale) {
+#pragma unroll
+  for (int di = 0; di < 8; ++di) {
+    const int c = di / 4, a = di % 4;
+    const uint32_t addr = (base ^ uint32_t(32 * a + 16 * c)) + 128u * c;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr + 2048u * half), "f"(dq[di][2 * half] * scale),
+                   "f"(dq[di][2 * half + 1] * scale)
+                   : "memory");
+  }
+}
+
+template <typename T, int D, bool kDq>
 __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     FlashBwdSm90Kernel(const __grid_constant__ BwdSm90Params p) {
   using Tile = BwdSm90Tile<D>;
@@ -65,6 +103,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   float* slse = reinterpret_cast<float*>(smem + Tile::kLseOffset);
   float* sdelta = reinterpret_cast<float*>(smem + Tile::kDeltaOffset);
   unsigned char* sds = smem + Tile::kDsOffset;
+  unsigned char* sdq = smem + Tile::kDqOffset;
   auto& bars = *reinterpret_cast<BwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
@@ -138,7 +177,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   SetMaxRegsInc<Tile::kConsumerRegs>();
   constexpr int DT = D / 8;
   const int cw = wg - 1, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
-  const int tq = args.tq;
   const bool softcap = bp.softcap > 0.0f;
   const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
   const int64_t wk0 = c0 + cw * WK;              // the warpgroup's first key
@@ -154,6 +192,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   const uint64_t desc_ds = SmemDesc128B(sds + (D == 128 ? 0 : cw * (WK * 128)), 64 * 128);
   const uint64_t desc_k_dq = SmemDesc128B(sk + (D == 128 ? cw * (BN * 128) : cw * (WK * 128)), BN * 128);
   const int dq_col0 = D == 128 ? cw * 64 : 0;
+  unsigned char* dq_buf = sdq + cw * Tile::kDqBytes;
 
   float dk[DT][4], dv[DT][4];
 #pragma unroll
@@ -234,7 +273,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       for (int kk = 0; kk < 4; ++kk) Wgmma<T, D>::template RS<1>(dk, dsa[kk], DescAdd(dq_mn, kk * 2048), 1);
       WgmmaCommit();
     }
-    if constexpr (kAtomicDq) {
+    if constexpr (kDq) {
       // dS^T rows (keys) of this thread into the swizzled [BN][BM] buffer, while dK / dV run.
       unsigned char* ds_buf = sds + buf * Tile::kDsBytes;
       const int kr = cw * WK + wwarp * 16 + g;
@@ -247,6 +286,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
         *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr + 8, col + 8)) = dsa[kk][3];
       }
       FenceProxyAsyncShared();
+      // The previous step's dQ reduce has read dq_buf (only the issuing thread has bulk groups, the others
+      // pass; uniform, no lane-dependent branch before the wgmmas); the barrier orders it before the stores.
+      BulkWaitRead();
       NamedBarrierSync(1, Tile::kConsumerThreads);  // both warpgroups' dS^T are in ds_buf
       float dq[8][4];
       const uint64_t da = DescAdd(desc_ds, buf * Tile::kDsBytes);
@@ -261,19 +303,20 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       FenceRegs(dk);
       FenceRegs(dq);
       if (wtid == 0) MbarArrive(&bars.row_empty[ps.stage]);
-      const int h = hk * group + st.head;
-      const int64_t q_stride = int64_t(bp.hq) * D;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t row = st.rb + wwarp * 16 + half * 8 + g;
-        if (row < tq) {
-          float* dst = bp.dq_accum + row * q_stride + int64_t(h) * D + dq_col0 + 2 * t;
-#pragma unroll
-          for (int di = 0; di < 8; ++di)
-            atomicAdd(reinterpret_cast<float2*>(dst + di * 8),
-                      make_float2(dq[di][2 * half] * bp.scale, dq[di][2 * half + 1] * bp.scale));
-        }
+      StoreDq(DqStoreBase(dq_buf, wwarp), dq, bp.scale);
+      FenceProxyAsyncShared();
+      NamedBarrierSync(3 + cw, 128);  // the warpgroup's dQ is in dq_buf (barrier 3 + cw: this warpgroup's)
+      if (wtid == 0) {
+        // The map address and the box's x / y are loop-invariant; offset by an opaque 0 they are computed here
+        // (a few instructions on one thread) rather than hoisted into uniform registers for the whole loop:
+        // hoisted, they took the D 128 consumers to UR61 of 63 and into 80-byte spills (even y alone, as
+        // z + dq_col0 / 32: keep the 0 inside the division).
+        const uint32_t z = OpaqueZero();
+        TmaReduceAdd4d(&p.dq_map + z, dq_buf + z, int(z), (int(z) + dq_col0) / 32, hk * group + st.head,
+                       int(st.rb));
+        BulkCommit();
       }
+      __syncwarp();
       buf ^= 1;
     } else {
       WgmmaWait<0>();
@@ -307,7 +350,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       TmaStore3d(&p.dv_map, stage_v + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, int(wk0));
     }
     BulkCommit();
-    BulkWait();
+    BulkWait();  // also completes this thread's dQ reduce-adds (the dq convert kernel reads them next)
   }
 }
 

@@ -236,7 +236,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     if (deterministic) {
       if (cudaError_t err = LaunchBwdDq<T, D>(p, stream); err != cudaSuccess) return CudaFailure("dq", err);
     }
-    // MAGI_JAX_FFA_KERNEL=sm90: the TMA + wgmma dK/dV kernel (atomic dQ unless deterministic; the
+    // MAGI_JAX_FFA_KERNEL=sm90: the TMA + wgmma dK/dV kernel (dQ by TMA reduce-add unless deterministic; the
     // deterministic dq is the mma.sync dq kernel above). cudaErrorNotSupported: nothing enqueued, the
     // mma.sync dk/dv kernel runs.
     cudaError_t dkdv = cudaErrorNotSupported;

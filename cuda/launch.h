@@ -28,11 +28,11 @@ int64_t FwdSm90ScratchInts(int64_t tq);
 template <typename T, int D>
 cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t stream);
 
-// The sm90 dK/dV kernel (TMA + wgmma, warp-specialised; launch_bwd_sm90.cu), with dQ by fp32 atomics into
-// p.dq_accum when atomic_dq (else dq comes from LaunchBwdDq). Returns cudaErrorNotSupported, having enqueued
-// nothing, when the inputs do not suit TMA: the caller then runs LaunchBwdDkDv.
+// The sm90 dK/dV kernel (TMA + wgmma, warp-specialised; launch_bwd_sm90.cu), with dQ added into p.dq_accum
+// by TMA reduce-adds when reduce_dq (else dq comes from LaunchBwdDq). Returns cudaErrorNotSupported, having
+// enqueued nothing, when the inputs do not suit TMA: the caller then runs LaunchBwdDkDv.
 template <typename T, int D>
-cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool atomic_dq, cudaStream_t stream);
+cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream);
 
 template <typename T>
 cudaError_t LaunchDqConvert(const float* acc, T* dq, int64_t n, cudaStream_t stream);

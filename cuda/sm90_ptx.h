@@ -1,6 +1,7 @@
 // Thin wrappers over the sm_90(a) instructions of the Hopper path: mbarriers, the tensor-memory accelerator
-// (cp.async.bulk.tensor loads completing on an mbarrier, stores in bulk groups), proxy fences, named
-// barriers, setmaxnreg and the wgmma fence / commit / wait, plus shared-memory matrix descriptors.
+// (cp.async.bulk.tensor loads completing on an mbarrier, stores and reduce-adds in bulk groups), proxy
+// fences, named barriers, setmaxnreg and the wgmma fence / commit / wait, plus shared-memory matrix
+// descriptors.
 // Written against the PTX ISA directly (no CuTe), see NOTES.md "sm90 path" for why.
 #pragma once
 
@@ -75,8 +76,19 @@ MAGI_DEV void TmaStore3d(const CUtensorMap* map, const void* smem, int x, int y,
                "r"(SmemAddr(smem)), "r"(x), "r"(y), "r"(z)
                : "memory");
 }
+// A 4-d box shared -> global, added element-wise (fp32 .add; each element's add is atomic, so boxes of
+// several CTAs may overlap); elements outside the tensor are skipped. Same bulk-group completion as the
+// store: the buffer may be rewritten after BulkWaitRead, the adds are visible after BulkWait.
+MAGI_DEV void TmaReduceAdd4d(const CUtensorMap* map, const void* smem, int x, int y, int z, int w) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(SmemAddr(smem)), "r"(x), "r"(y), "r"(z), "r"(w)
+      : "memory");
+}
 MAGI_DEV void BulkCommit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until the committed bulk stores have finished reading shared memory (the buffer may be reused).
+// A thread without bulk groups passes straight through.
 MAGI_DEV void BulkWaitRead() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 // Waits until the committed bulk stores are complete.
 MAGI_DEV void BulkWait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
@@ -85,6 +97,15 @@ MAGI_DEV void BulkWait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "mem
 MAGI_DEV void FenceProxyAsyncShared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // ----------------------------------------------------------------------------- named barriers, registers
+
+// 0, unknown to NVVM (a volatile asm is neither folded nor hoisted out of a loop): added to a loop-invariant
+// value, it makes the compiler compute that value where it is used instead of holding it in a (uniform)
+// register across the loop. ptxas folds the 0 itself but leaves the computation in place.
+MAGI_DEV uint32_t OpaqueZero() {
+  uint32_t z;
+  asm volatile("mov.u32 %0, 0;\n" : "=r"(z));
+  return z;
+}
 
 MAGI_DEV void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

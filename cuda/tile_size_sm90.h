@@ -63,7 +63,8 @@ struct FwdSm90Barriers {
 // The sm90 backward's dK/dV kernel (flash_bwd_sm90_kernel.h): a CTA per (k block of kBlockN keys, kv head),
 // 3 warpgroups: warpgroup 0 produces (one warp: TMA of K, V once, then Q, dO of each row tile, lse/delta by
 // plain stores), warpgroups 1 and 2 consume, each owning kKeysPerWarpgroup of the keys (wgmma M = 64).
-// Row tiles of kBlockM q rows come through a kStages-deep ring. Register plan per consumer thread (D 128):
+// Row tiles of kBlockM q rows come through a kStages-deep ring; dQ leaves through one fp32 staging buffer per
+// consumer warpgroup and a TMA reduce-add. Register plan per consumer thread (D 128):
 // dK, dV accumulators 64 x 128 fp32 / 128 threads = 64 + 64; S^T and dP^T (64 keys x 64 rows) 32 + 32;
 // the bf16 A fragments of P^T and dS^T 16 + 16 (S^T / dP^T die when packed); dQ (64 rows x 64 columns)
 // 32. Peak: 192 during S/dP (dK, dV, S, dP) and during dQ (dK, dV, P, dS, dQ), + ~30 addresses and loop
@@ -92,12 +93,18 @@ struct BwdSm90Tile {
   static constexpr uint32_t kLseOffset = kDoOffset + kStages * kRowBytes;  // float [kStages][kBlockM] lse (log2)
   static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr uint32_t kDsOffset = kLseOffset + 1024;  // [2] dS^T buffers (double-buffered)
-  static constexpr uint32_t kBarOffset = kDsOffset + 2 * kDsBytes;
+  // dQ staging, one per consumer warpgroup: its 64 rows x 64 columns of fp32 dQ as the box of the dq_accum
+  // tensor map (32 columns, 2 column chunks, 1 head, 64 rows: 128-byte lines ordered (row, chunk)) in the
+  // 128-byte swizzle, read by the TMA reduce-add.
+  static constexpr uint32_t kDqBytes = kBlockM * 64 * 4;
+  static constexpr uint32_t kDqOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr uint32_t kBarOffset = kDqOffset + kConsumerWarpgroups * kDqBytes;
   static constexpr uint32_t kBarBytes = 256;
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
 
   static_assert(kBlockN == kKBlock, "the dk/dv kernels share the k-block slice lists");
   static_assert(2 * kStages * kBlockM * 4 <= 1024, "lse / delta region");
+  static_assert(kDsOffset % 1024 == 0 && kDqOffset % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(kStages * kRowBytes >= kKvBytes, "dK / dV are staged in the Q / dO rings for the TMA store");
   static_assert(kSmemBytes <= 227 * 1024, "fits one CTA per SM");
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
