@@ -1,8 +1,8 @@
 """Dense reference attention from an AttnMask: the independent check of every kernel.
 
-`attention_f64` is numpy float64 with a hand-written backward (einsums with optimize=True go through BLAS,
-~5x faster than numpy's loops); `attention_dense` is the same function in jnp at any dtype (the "naive
-attention in its own precision" of the tolerance rule, DESIGN.md section 5).
+`attention_f64` is numpy float64 with a hand-written backward (matrix products per head through BLAS);
+`attention_dense` is the same function in jnp at any dtype (the "naive attention in its own precision" of
+the tolerance rule, DESIGN.md section 5).
 A cell covered by c slices carries weight c in the softmax (log(c) added to its logit). O(Tq x Tk): tests only.
 """
 
@@ -15,47 +15,49 @@ import numpy as np
 from magi_jax.mask import AttnMask
 
 
-def _expand_kv(x: np.ndarray, hq: int) -> np.ndarray:
-    """[T, Hkv, D] -> [T, Hq, D]: each kv head serves hq // Hkv consecutive q heads."""
-    return np.repeat(x, hq // x.shape[1], axis=1)
-
-
 def attention_f64(q, k, v, mask: AttnMask, softmax_scale: float | None = None, softcap: float = 0.0,
                   dout=None, dlse=None):
     """Forward (out, lse) in float64; with dout (and optionally dlse) also (dq, dk, dv).
 
     Shapes as flex_flash_attn: q [Tq, Hq, D], k/v [Tk, Hkv, D]; lse [Tq, Hq]. Empty rows: out 0, lse -inf.
+    One q head at a time, so that the largest temporaries are [Tq, Tk] (a 16k x 16k mask: 2 GB each).
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    tq, hq, d = q.shape
+    group = hq // k.shape[1]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    ke, ve = _expand_kv(k, hq), _expand_kv(v, hq)
-    counts = mask.to_dense().astype(np.float64)[None]                      # [1, Tq, Tk]
-    raw = np.einsum("qhd,khd->hqk", q, ke, optimize=True) * scale
-    logits = softcap * np.tanh(raw / softcap) if softcap > 0 else raw
+    counts = mask.to_dense().astype(np.float64)
     visible = counts > 0
-    masked = np.where(visible, logits + np.log(np.where(visible, counts, 1.0)), -np.inf)
-    row_max = np.max(masked, axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    e = np.exp(masked - row_max)
-    total = e.sum(-1, keepdims=True)
-    p = e / np.where(total > 0, total, 1.0)                                 # [Hq, Tq, Tk]
-    with np.errstate(divide="ignore"):
-        lse = np.where(total[..., 0] > 0, np.log(total[..., 0]) + row_max[..., 0], -np.inf).T
-    out = np.einsum("hqk,khd->qhd", p, ve, optimize=True)
-    if dout is None:
-        return out, lse
-    dout = np.asarray(dout, np.float64)
-    dlse_t = np.zeros((hq, q.shape[0])) if dlse is None else np.asarray(dlse, np.float64).T
-    dve = np.einsum("hqk,qhd->khd", p, dout, optimize=True)
-    dp = np.einsum("qhd,khd->hqk", dout, ve, optimize=True)
-    ds = p * (dp - np.einsum("qhd,qhd->hq", dout, out, optimize=True)[..., None] + dlse_t[..., None])
-    if softcap > 0:
-        ds = ds * (1.0 - np.tanh(raw / softcap) ** 2)
-    dq = np.einsum("hqk,khd->qhd", ds, ke, optimize=True) * scale
-    dke = np.einsum("hqk,qhd->khd", ds, q, optimize=True) * scale
-    fold = lambda x: x.reshape(x.shape[0], hkv, hq // hkv, d).sum(2)     # sum the q heads of each kv head
-    return out, lse, dq, fold(dke), fold(dve)
+    log_counts = np.log(np.where(visible, counts, 1.0))
+    grads = dout is not None
+    if grads:
+        dout = np.asarray(dout, np.float64)
+        dlse = np.zeros((tq, hq)) if dlse is None else np.asarray(dlse, np.float64)
+        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    out, lse = np.zeros_like(q), np.zeros((tq, hq))
+    for h in range(hq):
+        kh, vh = k[:, h // group], v[:, h // group]
+        raw = (q[:, h] @ kh.T) * scale
+        logits = softcap * np.tanh(raw / softcap) if softcap > 0 else raw
+        masked = np.where(visible, logits + log_counts, -np.inf)
+        row_max = np.max(masked, axis=-1, keepdims=True)
+        row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+        p = np.exp(masked - row_max)
+        total = p.sum(-1, keepdims=True)
+        p /= np.where(total > 0, total, 1.0)
+        with np.errstate(divide="ignore"):
+            lse[:, h] = np.where(total[:, 0] > 0, np.log(total[:, 0]) + row_max[:, 0], -np.inf)
+        out[:, h] = p @ vh
+        if not grads:
+            continue
+        dv[:, h // group] += p.T @ dout[:, h]
+        dp = dout[:, h] @ vh.T
+        ds = p * (dp - (dout[:, h] * out[:, h]).sum(-1, keepdims=True) + dlse[:, h, None])
+        if softcap > 0:
+            ds *= 1.0 - np.tanh(raw / softcap) ** 2
+        dq[:, h] = (ds @ kh) * scale
+        dk[:, h // group] += (ds.T @ q[:, h]) * scale
+    return (out, lse, dq, dk, dv) if grads else (out, lse)
 
 
 def attention_dense(q, k, v, counts, softmax_scale: float | None = None, softcap: float = 0.0):
