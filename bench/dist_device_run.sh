@@ -16,8 +16,10 @@ export OUT=${OUT:-/tmp/magi_dist_out}
 mkdir -p "$OUT"
 STEPS=${*:-build tests profile bench}
 SUMMARY="$OUT/summary.txt"
-EARLY=--xla_gpu_experimental_collective_start_as_early_as_possible=true
-PROFILE_VARIANTS=${PROFILE_VARIANTS:-"default:MAGI_JAX_FFA_KERNEL=mma;early:XLA_FLAGS=$EARLY"}
+# Default variants: the sm90 kernels with jax's default flags, and with two async collectives in flight (the
+# K and V all-to-alls of a stage; with the default limit of one, XLA runs the second synchronously).
+LIMIT2=--xla_gpu_experimental_parallel_collective_overlap_limit=2
+PROFILE_VARIANTS=${PROFILE_VARIANTS:-"default:MAGI_JAX_FFA_KERNEL=sm90;limit2:MAGI_JAX_FFA_KERNEL=sm90 XLA_FLAGS=$LIMIT2"}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 {
   echo "steps: $STEPS"
