@@ -1,10 +1,12 @@
 """Kernel benchmark on one GPU: magi_jax FFA (cuda/) against cuDNN (dense, and packed varlen through
 q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA dense where it fits.
 
-bf16, 16 heads, head dim 128, batch 1 packed. TFLOP/s count the unmasked area only: forward 4 * area * H * D,
-forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad of sum(out), forward included,
-as in ../shared/peers. `ffa_sm90` is FFA with the sm90 forward (TMA + wgmma; MAGI_JAX_FFA_KERNEL=sm90, set
-only while its own calls run; its backward is the default one). Every implementation's output (and dq) is compared with FFA's before it is timed.
+bf16, 16 heads, head dim 128 (256 for the `_d256` case), batch 1 packed. TFLOP/s count the unmasked area
+only: forward 4 * area * H * D, forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
+of sum(out), forward included, as in ../shared/peers. `ffa_sm90` is FFA with the sm90 kernels (TMA + wgmma,
+forward and backward; MAGI_JAX_FFA_KERNEL=sm90, set only while its own calls run). Every implementation's
+output (and dq) is compared with FFA's before it is timed. The last lines check the targets of the speed
+issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
 table to $OUT when set.
 
@@ -88,7 +90,7 @@ def cudnn_dense_causal(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def cudnn_varlen(lens: list[int], window: int | None = None) -> Callable:
+def cudnn_varlen(lens: list[int], window: int | None = None, head_dim: int = D) -> Callable:
     from jax._src.cudnn import fused_attention_stablehlo as fa
     starts = np.cumsum([0] + lens[:-1]).astype(np.int32)
     offsets = jnp.asarray(np.concatenate([starts, [-1]]).astype(np.int32))[None]
@@ -96,7 +98,7 @@ def cudnn_varlen(lens: list[int], window: int | None = None) -> Callable:
 
     def fn(q, k, v):
         return fa.dot_product_attention(q, k, v, q_seqlen=seqlens, kv_seqlen=seqlens, q_offsets=offsets,
-                                        kv_offsets=offsets, scale=D ** -0.5, mask_type=fa.MaskType.CAUSAL,
+                                        kv_offsets=offsets, scale=head_dim ** -0.5, mask_type=fa.MaskType.CAUSAL,
                                         qkv_layout="BTNH", sliding_window_length=window)
     return fn
 
@@ -126,6 +128,7 @@ class Case:
     name: str
     mask: AttnMask
     baselines: dict[str, Callable[[], Callable]]  # built lazily: an import or a shape may fail
+    head_dim: int = D
 
 
 def make_cases() -> list[Case]:
@@ -156,6 +159,13 @@ def make_cases() -> list[Case]:
     cases.append(Case("shared_question_16k", mask, {
         "tokamax": lambda: tokamax(dense_mask=mask.to_dense() > 0),
         "xla_dense": lambda: xla_dense(mask)}))
+    lens = [4096] * 8
+    cases.append(Case("causal_4k_x8", masks.varlen_causal(lens), {
+        "cudnn": lambda: cudnn_varlen(lens),
+        "tokamax": lambda: tokamax(k_start=np.repeat(np.arange(8) * 4096, 4096), is_causal=True)}))
+    cases.append(Case("causal_16k_d256", masks.causal(16384), {
+        "cudnn": lambda: cudnn_dense_causal,
+        "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
     return cases
 
 
@@ -182,9 +192,9 @@ def rel_diff(a, b) -> float:
 def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
     total = case.mask.total_seqlen_q
     area = case.mask.area()
-    flops = 4.0 * area * H * D
+    flops = 4.0 * area * H * case.head_dim
     keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(kk, (1, total, H, D), jnp.bfloat16) for kk in keys)
+    q, k, v = (jax.random.normal(kk, (1, total, H, case.head_dim), jnp.bfloat16) for kk in keys)
     fns: dict[str, Callable] = {"ffa": ffa(case.mask)}
     for name in impls:
         if name == "ffa":
@@ -210,7 +220,7 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
                     out = f(q, k, v)
                     if name == "ffa":
                         reference["out"] = out
-                    row["rel_diff_vs_ffa"] = rel_diff(out, reference["out"])
+                    row["rel_diff_vs_ffa"] = rel_diff(out, reference["out"]) if "out" in reference else float("nan")
                     del out
                     mult = 1.0
                 else:
@@ -219,7 +229,7 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
                     dq = f(q, k, v)[0]
                     if name == "ffa":
                         reference["dq"] = dq
-                    row["rel_diff_vs_ffa"] = rel_diff(dq, reference["dq"])
+                    row["rel_diff_vs_ffa"] = rel_diff(dq, reference["dq"]) if "dq" in reference else float("nan")
                     del dq
                     mult = 3.5
                 seconds = bench(f, q, k, v)
@@ -275,6 +285,51 @@ def speed_bar(results: list[dict]) -> str:
     return "speed bar, varlen causal 64k: " + ("; ".join(parts) if parts else "not measured")
 
 
+# The speed issue's targets: (case, pass) -> ("x", ratio to the best of the named peers) or ("tflops", value).
+ISSUE4_TARGETS = {
+    ("varlen_causal_64k", "fwd"): ("x", 1.05, ("cudnn",)),
+    ("varlen_causal_64k", "fwd+bwd"): ("x", 1.05, ("cudnn",)),
+    ("causal_32k", "fwd"): ("x", 1.0, ("cudnn", "tokamax")),
+    ("causal_32k", "fwd+bwd"): ("x", 1.0, ("cudnn",)),
+    ("varlen_block_causal_32k", "fwd"): ("tflops", 550, ()),
+    ("varlen_block_causal_32k", "fwd+bwd"): ("tflops", 450, ()),
+    ("varlen_swa1024_32k", "fwd"): ("tflops", 500, ()),
+    ("varlen_swa1024_32k", "fwd+bwd"): ("tflops", 400, ()),
+    ("shared_question_16k", "fwd"): ("tflops", 450, ()),
+    ("shared_question_16k", "fwd+bwd"): ("tflops", 380, ()),
+    ("causal_4k_x8", "fwd"): ("x", 0.9, ("cudnn",)),
+    ("causal_4k_x8", "fwd+bwd"): ("x", 0.9, ("cudnn",)),
+    ("causal_16k_d256", "fwd"): ("x", 0.8, ("cudnn",)),
+    ("causal_16k_d256", "fwd+bwd"): ("x", 0.8, ("cudnn",)),
+}
+
+
+def target_check(results: list[dict], impl: str) -> str:
+    """One line per target of ISSUE4_TARGETS measured in this run, for ``impl``."""
+    by = {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
+    lines, met, total = [], 0, 0
+    for (case, mode), (kind, bar, peers) in ISSUE4_TARGETS.items():
+        if not any(r["case"] == case for r in results):
+            continue
+        total += 1
+        mine = by.get((case, impl, mode))
+        if mine is None:
+            lines.append(f"  {case} {mode}: not measured (MISSED)")
+            continue
+        if kind == "tflops":
+            ok, shown = mine["tflops"] >= bar, f"{mine['tflops']} TFLOP/s (target {bar})"
+        else:
+            peer = max((by[(case, p, mode)]["tflops"] for p in peers if (case, p, mode) in by), default=None)
+            if peer is None:
+                lines.append(f"  {case} {mode}: no peer measured (MISSED)")
+                continue
+            ratio = mine["tflops"] / peer
+            ok, shown = ratio >= bar, f"{ratio:.2f}x {'/'.join(peers)} (target {bar}x)"
+        met += ok
+        lines.append(f"  {case} {mode}: {shown}: {'met' if ok else 'MISSED'}")
+    return f"issue 4 targets for {impl}: {met} of {total} met\n" + "\n".join(lines)
+
+
 def versions() -> str:
     parts = [f"jax {jax.__version__}"]
     try:
@@ -308,11 +363,13 @@ def main() -> None:
         run_case(case, args.impls, results)
     text = table(results)
     bar = speed_bar(results)
+    impl = "ffa_sm90" if any(r["impl"] == "ffa_sm90" for r in results) else "ffa"
+    bar += "\n\n" + target_check(results, impl)
     print("\n" + text + "\n\n" + bar, flush=True)
     command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     section = (f"\n## Kernel, one GPU ({datetime.date.today().isoformat()})\n\n{device.device_kind}; {versions()}; "
-               f"bf16, {H} heads, D {D}; TFLOP/s on the unmasked area (fwd+bwd = 3.5x fwd flops); "
-               f"median of 5 x 10 calls.\nCommand: `{command}`\n\n{text}\n\n{bar}\n")
+               f"bf16, {H} heads, D {D} (the _d256 case: 256); TFLOP/s on the unmasked area "
+               f"(fwd+bwd = 3.5x fwd flops); median of 5 x 10 calls.\nCommand: `{command}`\n\n{text}\n\n{bar}\n")
     if not args.no_append:
         with open(ROOT / "BENCHMARKS.md", "a") as f:
             f.write(section)

@@ -1,0 +1,50 @@
+"""bench/kernel.py's target check (the speed issue's targets), on made-up results: no GPU needed."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def kernel_bench():
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "kernel.py"
+    spec = importlib.util.spec_from_file_location("bench_kernel_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # dataclasses look the module up by name
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def row(case, impl, mode, tflops):
+    return dict(case=case, impl=impl, mode=mode, tflops=tflops, ms=1.0)
+
+
+def test_target_check_ratio_absolute_and_missing(kernel_bench):
+    results = [
+        row("causal_32k", "ffa_sm90", "fwd", 600.0), row("causal_32k", "cudnn", "fwd", 580.0),
+        row("causal_32k", "tokamax", "fwd", 620.0),                     # the best peer decides: 0.97x
+        row("causal_32k", "ffa_sm90", "fwd+bwd", 580.0), row("causal_32k", "cudnn", "fwd+bwd", 570.0),
+        row("varlen_swa1024_32k", "ffa_sm90", "fwd", 501.0),
+        row("varlen_swa1024_32k", "ffa_sm90", "fwd+bwd", 399.0),
+    ]
+    text = kernel_bench.target_check(results, "ffa_sm90")
+    assert text.splitlines()[0] == "issue 4 targets for ffa_sm90: 2 of 4 met"
+    assert "causal_32k fwd: 0.97x cudnn/tokamax (target 1.0x): MISSED" in text
+    assert "causal_32k fwd+bwd: 1.02x cudnn (target 1.0x): met" in text
+    assert "varlen_swa1024_32k fwd: 501.0 TFLOP/s (target 500): met" in text
+    assert "varlen_swa1024_32k fwd+bwd: 399.0 TFLOP/s (target 400): MISSED" in text
+    # A case absent from the run is not counted; an implementation that failed is a miss.
+    assert "varlen_causal_64k" not in text
+    failed = kernel_bench.target_check([row("causal_4k_x8", "cudnn", "fwd", 500.0)], "ffa_sm90")
+    assert failed.splitlines()[0] == "issue 4 targets for ffa_sm90: 0 of 2 met"
+    assert "causal_4k_x8 fwd: not measured (MISSED)" in failed
+
+
+def test_every_target_names_a_benchmarked_case(kernel_bench):
+    names = {c.name for c in kernel_bench.make_cases()}
+    assert {case for case, _ in kernel_bench.ISSUE4_TARGETS} <= names
