@@ -223,14 +223,20 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   const bool softcap = fp.softcap > 0.0f;
   const float scale_log2 = (softcap ? 1.0f : fp.scale) * kLog2e;
   // Descriptor bases: K and V of stage 0 (stages are kKvBytes apart); Q's is made per tile (its buffer).
-  const uint64_t desc_k = SmemDesc128B(sk, 16);
-  const uint64_t desc_v = SmemDesc128B(sv, BN * 128);
+  // Descriptors as their low 32 bits (start address >> 4, LBO), offsets added there: the high half (SBO
+  // 1024, 128B swizzle) is one constant for all of them, and the 14-bit address field does not carry
+  // (shared memory < 256 KB; DescAdd assumes the same).
+  const uint64_t desc_k_full = SmemDesc128B(sk, 16);
+  const uint32_t desc_hi = uint32_t(desc_k_full >> 32);  // a constant after folding
+  const uint32_t desc_k = uint32_t(desc_k_full);
+  const uint32_t desc_v = uint32_t(SmemDesc128B(sv, BN * 128));
+  auto desc = [desc_hi](uint32_t lo) { return (uint64_t(desc_hi) << 32) | lo; };
   unsigned char* so_wg = so + cw * (WM * D * 2);  // [kChunks][64 rows][64], 128B swizzle
 
   PipeState<kStages> kv;
-  PipeState<2> slot;
-  // Tiles taken so far: Q buffer q_iter % 2, phase (q_iter / 2) % 2. One register (not a PipeState and a
-  // descriptor kept across tiles): the D 64 consumers sit at the register limit.
+  // Tiles taken so far: Q buffer and tile-ring slot q_iter % 2, phase (q_iter / 2) % 2 (both rings have two
+  // slots and advance once per tile). One register (not two PipeStates and a descriptor kept across
+  // tiles): the D 64 consumers sit at the register limit (the tile slot's own PipeState was spilled there).
   uint32_t q_iter = 0;
   // Ping-pong: warpgroup 0 takes the first turn, given by warpgroup 1 below; every later turn is handed over
   // after a batch of wgmmas is issued (sched_sync / sched_arrive below). Both warpgroups walk the same steps
@@ -244,10 +250,11 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   };
   if (cw == 1) sched_arrive();  // warpgroup 0's first turn
   while (true) {
-    MbarWait(&bars.tile_full[slot.stage], slot.phase);
-    const int tile = __shfl_sync(0xffffffffu, bars.tile[slot.stage], 0);  // uniform, visibly
-    MbarArrive(&bars.tile_empty[slot.stage]);
-    slot.Advance();
+    const int q_stage = int(q_iter & 1);
+    const uint32_t q_phase = (q_iter >> 1) & 1;
+    MbarWait(&bars.tile_full[q_stage], q_phase);
+    const int tile = __shfl_sync(0xffffffffu, bars.tile[q_stage], 0);  // uniform, visibly
+    MbarArrive(&bars.tile_empty[q_stage]);
     if (tile >= p.num_tiles) break;
     int qb, h;
     DecodeTile(p, tile, &qb, &h);
@@ -264,11 +271,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     int lo[2], hi[2];
     TileRange interior{1, 0};
 
-    const int q_stage = int(q_iter & 1);
-    MbarWait(&bars.q_full[q_stage], (q_iter >> 1) & 1);
+    MbarWait(&bars.q_full[q_stage], q_phase);
     ++q_iter;
     // The warpgroup's 64 rows of this tile's Q buffer.
-    const uint64_t desc_q_tile = SmemDesc128B(sq + q_stage * Tile::kQBytes + cw * (WM * 128), 16);
+    const uint32_t desc_q_tile = uint32_t(SmemDesc128B(sq + q_stage * Tile::kQBytes + cw * (WM * 128), 16));
     const SliceWalk walk(args, fp.lists, qb);
     FwdStep st;
     FwdStepFrom(walk, args, r0, BM, walk.First(args), &st);
@@ -278,36 +284,35 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       RowInterval(st.s, row + 8, &lo[1], &hi[1]);
       interior = InteriorKeyTiles(st.s, wr0, WM, BN);
     };
-    // S(j) = Q K(j)^T for the current stage, issued (not waited). Waits for K before taking the turn (FA3's
-    // order): a warpgroup holding the turn should not sit on a TMA.
+    // S(j) = Q K(j)^T for the current stage, issued (not waited). The caller has waited for K (and for V
+    // when PV follows) before taking the turn (FA3's order): a warpgroup holding the turn should not sit on
+    // a TMA.
     auto issue_s = [&]() {
-      MbarWait(&bars.k_full[kv.stage], kv.phase);
-      sched_sync();
-      const uint64_t dk = DescAdd(desc_k, kv.stage * Tile::kKvBytes);
+      const uint32_t dk = desc_k + ((kv.stage * Tile::kKvBytes) >> 4);
+      // Recomputed at each step (OpaqueZero): held across the loop, the 64-bit descriptors take 14 registers.
+      const uint32_t dq = desc_q_tile + OpaqueZero();
       WgmmaFence();
-      Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc_q_tile, dk);
+      Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc(dq), desc(dk));
 #pragma unroll
       for (int kk = 1; kk < D / 16; ++kk) {
         const uint32_t off_q = (kk / 4) * (BM * 128) + (kk % 4) * 32, off_k = (kk / 4) * (BN * 128) + (kk % 4) * 32;
-        Wgmma<T, BN>::template SS<0, 0>(s[0], DescAdd(desc_q_tile, off_q), DescAdd(dk, off_k), 1);
+        Wgmma<T, BN>::template SS<0, 0>(s[0], desc(dq + (off_q >> 4)), desc(dk + (off_k >> 4)), 1);
       }
       WgmmaCommit();
     };
-    // O += P(j) V(j) from the stage `at`, issued (not waited).
+    // O += P(j) V(j) from the stage `at`, issued (not waited; V waited for by the caller).
     auto issue_pv = [&](const PipeState<kStages>& at) {
-      MbarWait(&bars.v_full[at.stage], at.phase);
-      const uint64_t dv = DescAdd(desc_v, at.stage * Tile::kKvBytes);
-      // Each wgmma batch has its own wgmma.fence after its barrier wait (the wait is a loop: ptxas would
-      // otherwise add its own arrive behind it), and the register fences (empty asm writing o and pa) go
-      // before it.
+      const uint32_t dv = desc_v + ((at.stage * Tile::kKvBytes) >> 4);
+      // Each wgmma batch has its own wgmma.fence, and the register fences (empty asm writing o and pa) go
+      // before it (C7519 otherwise: ptxas injects its own warpgroup.arrive).
       FenceRegs(o);
       FenceRegs(pa);
       WgmmaFence();
 #pragma unroll
-      for (int kk = 0; kk < NT / 2; ++kk) Wgmma<T, D>::template RS<1>(o, pa[kk], DescAdd(dv, kk * 2048), 1);
+      for (int kk = 0; kk < NT / 2; ++kk) Wgmma<T, D>::template RS<1>(o, pa[kk], desc(dv + ((kk * 2048) >> 4)), 1);
       WgmmaCommit();
     };
-    // The softmax of S(j): softcap, mask, update; alpha rescales O afterwards.
+    // The softmax of S(j): softcap, mask, update; alpha rescales O before the next PV.
     auto softmax_s = [&](float (&alpha)[2]) {
       FenceRegs(s[0]);
       if (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
@@ -317,41 +322,70 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     auto release = [&](uint64_t* bar) {
       if (wtid == 0) MbarArrive(bar);
     };
+    // The next step; false when the walk is over. A branch (c0 += BN, compare): ptxas schedules within a
+    // basic block, so this call, placed between the softmax and the wait for PV, keeps that wait behind
+    // the softmax (below).
+    auto next_step = [&]() -> bool {
+      if (FwdStepNext(walk, args, r0, BM, BN, &st)) {
+        if (st.cur < 0) return false;
+        start_slice();
+      }
+      return true;
+    };
 
     // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the first S and the last PV
     // of a tile are a batch each. Same count in both warpgroups.
+    //
+    // Step j (FA3's intra-warpgroup overlap, its order): wait K(j), V(j-1); take the turn; issue S(j);
+    // O *= alpha(j-1) while S(j) runs; issue O += P(j-1) V(j-1); hand the turn over; wait for S(j) (PV(j-1)
+    // may still run); release K(j); softmax of S(j) -> P(j), alpha(j); next step (a branch); wait for
+    // PV(j-1); release V(j-1); pack P(j).
+    // The wait for PV(j-1) must stay after the softmax: in one basic block with it, ptxas hoisted that
+    // WARPGROUP.DEPBAR above the whole softmax (its successors, the O rescale and the P packs into the
+    // registers PV(j-1) reads, made it the critical path), so the softmax never overlapped PV within the
+    // warpgroup. The O rescale moved into the turn, between the two GEMM batches (FA3), where it runs
+    // under S(j) instead of delaying the next issue.
     if (st.cur >= 0) {
       start_slice();
+      MbarWait(&bars.k_full[kv.stage], kv.phase);
+      sched_sync();
       issue_s();
       sched_arrive();
       WgmmaWait<0>();
       release(&bars.k_empty[kv.stage]);
       float alpha[2];
-      softmax_s(alpha);  // O is still zero: no rescale
+      softmax_s(alpha);
+      // O is still zero, and the next step rescales it by alpha before the first PV: 1, not this step's
+      // 2^(-inf * scale_log2 - base) (0, but NaN for a zero scale).
+      alpha[0] = alpha[1] = 1.0f;
       PackP<T, NT>(s[0], pa);
       PipeState<kStages> prev = kv;
       kv.Advance();
-      while (true) {
-        if (FwdStepNext(walk, args, r0, BM, BN, &st)) {
-          if (st.cur < 0) break;
-          start_slice();
-        }
+      bool more = next_step();
+      while (more) {
+        MbarWait(&bars.k_full[kv.stage], kv.phase);
+        MbarWait(&bars.v_full[prev.stage], prev.phase);
+        sched_sync();
         issue_s();
+        FenceRegs(o);  // the rescale below stays after the S issue (NVVM)
+        Sm90RowSoftmax::Rescale(o, alpha);
         issue_pv(prev);
         sched_arrive();
         WgmmaWait<1>();  // S(j) has landed
         release(&bars.k_empty[kv.stage]);
         softmax_s(alpha);
-        WgmmaWait<0>();  // O += P(j-1) V(j-1) has landed
-        FenceRegs(o);
-        release(&bars.v_empty[prev.stage]);
-        Sm90RowSoftmax::Rescale(o, alpha);
-        PackP<T, NT>(s[0], pa);
+        const PipeState<kStages> done = prev;
         prev = kv;
         kv.Advance();
+        more = next_step();
+        WgmmaWait<0>();  // O += P(j-1) V(j-1) has landed
+        FenceRegs(o);
+        release(&bars.v_empty[done.stage]);
+        PackP<T, NT>(s[0], pa);
       }
       release(&bars.q_empty[q_stage]);  // the last S wgmma has landed
-      MbarWait(&bars.v_full[prev.stage], prev.phase);  // V before the turn, as K in issue_s
+      Sm90RowSoftmax::Rescale(o, alpha);
+      MbarWait(&bars.v_full[prev.stage], prev.phase);  // V before the turn, as K
       sched_sync();
       issue_pv(prev);
       sched_arrive();
