@@ -59,12 +59,19 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     return "\n".join(lines)
 
 
+def command_line() -> str:
+    """The command this process runs, as typed."""
+    return "python " + " ".join(sys.argv) if sys.argv and sys.argv[0] else "python"
+
+
+def utc_stamp() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def append_report(title: str, table: str, notes: str = "", path: pathlib.Path = ROOT / "BENCHMARKS.md") -> None:
     """Appends a dated section: title, machine, command, table, notes."""
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python " + " ".join(sys.argv) if sys.argv and sys.argv[0] else "python"
-    section = (f"\n## {title}, {stamp}\n\nMachine: {machine_line()}.  \nCommand: `{command}`\n\n{table}\n"
-               + (f"\n{notes}\n" if notes else ""))
+    section = (f"\n## {title}, {utc_stamp()}\n\nMachine: {machine_line()}.  \nCommand: `{command_line()}`\n\n"
+               f"{table}\n" + (f"\n{notes}\n" if notes else ""))
     if not path.exists():
         path.write_text("# Benchmarks\n\nEach section is one run, appended by the benchmark itself; numbers are "
                         "never copied forward.\n")

@@ -12,8 +12,8 @@ Methods (TFLOP/s per GPU on the unmasked area: forward 4 * area * Hq * D, forwar
   single     single-GPU FFA on one GPU's share of the work: the queries and keys of magi's most loaded
              rank, no communication (the target's denominator: magi >= 0.95x of it per GPU).
 
-Masks: varlen causal and varlen block-causal (block 2048), documents of exponential length (mean 4096, at
-least 256), 64k tokens per GPU by default; bf16, 16 heads, head dim 128. Appends a table to BENCHMARKS.md
+Masks: varlen causal and varlen block-causal (block 2048; varlen_full on request), documents of exponential
+length (mean 4096, at least 256), 64k tokens per GPU by default; bf16, 16 heads, head dim 128. Appends a table to BENCHMARKS.md
 (--no-append to skip) and writes JSON to $OUT/dist_bench.json when OUT is set.
 
     python bench/dist.py                                    # 2+ GPUs
@@ -64,6 +64,8 @@ def make_mask(name: str, total: int, seed: int = 0, block: int = 2048) -> AttnMa
     lens = doc_lengths(total, seed)
     if name == "varlen_causal":
         return masks.varlen_causal(lens)
+    if name == "varlen_full":
+        return masks.varlen_full(lens)
     if name == "varlen_block_causal":
         return masks.block_causal(lens, block)
     raise ValueError(f"mask: unknown {name!r}")

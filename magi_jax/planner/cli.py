@@ -14,7 +14,7 @@ from magi_jax.mask import AttnMask
 from magi_jax.planner.geometry import clip
 from magi_jax.planner.plan import DistAttnPlan, make_plan
 from magi_jax.planner.solvers import DEFAULT_SOLVER, SOLVERS
-from magi_jax.planner.stages import MAX_DEGREE
+from magi_jax.planner.stages import MAX_DEGREE, CostModel
 from magi_jax.planner.workloads import sample_doc_lengths, varlen_mask
 
 
@@ -73,6 +73,10 @@ def build_mask(name: str, seqlen: int, seed: int, window: int = 1024, block: int
     return ctors[name]()
 
 
+# Calibration files name mask classes as bench/dist.py does; the --mask names that differ.
+MASK_CLASS = {"block_causal": "varlen_block_causal"}
+
+
 def _overlap(text: str) -> int | str:
     if text == "auto":
         return text
@@ -82,11 +86,32 @@ def _overlap(text: str) -> int | str:
     return v
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _common(p: argparse.ArgumentParser, mask_class_default: str) -> None:
     p.add_argument("--heads-q", type=int, default=16)
     p.add_argument("--heads-kv", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--overlap", type=_overlap, default="auto", help="stages: auto or 0..8")
+    p.add_argument("--calibration", default=None, help="cost model rates from a calibration file "
+                   "(bench/calibrate.py; default: the built-in H200 estimates)")
+    p.add_argument("--mask-class", default=None, help=f"the file's mask class to use (default: {mask_class_default})")
+
+
+def cost_model(a: argparse.Namespace, mask_class_default: str) -> CostModel:
+    """The built-in model, or ``--calibration``'s rates for ``--mask-class``; prints which."""
+    if a.calibration is None:
+        print("cost model: built-in defaults (no --calibration)")
+        return CostModel()
+    mask_class = a.mask_class or mask_class_default
+    try:
+        model = CostModel.load(a.calibration, mask_class)
+    except ValueError as e:          # name the flag, not load's argument
+        msg = str(e)
+        flag = "--mask-class" if msg.startswith("mask_class: ") else "--calibration"
+        raise ValueError(f"{flag}: {msg.removeprefix('mask_class: ')}") from None
+    print(f"cost model: {a.calibration} [{mask_class}]: {model.flops_per_s / 1e12:.4g} TFLOP/s, "
+          f"{model.bytes_per_s / 1e9:.4g} GB/s per rank, latency {model.collective_latency_s * 1e6:.3g} us, "
+          f"launch {model.launch_s * 1e6:.3g} us")
+    return model
 
 
 def plan_main(argv: Sequence[str]) -> int:
@@ -104,13 +129,14 @@ def plan_main(argv: Sequence[str]) -> int:
     p.add_argument("--plot", default=None, help="write a PNG: chunks coloured by owner, one rank's remote blocks")
     p.add_argument("--plot-rank", type=int, default=None, help="rank whose blocks the plot shows "
                    "(default: the one fetching most)")
-    _common(p)
+    _common(p, "the --mask name; varlen_block_causal for block_causal")
     a = p.parse_args(list(argv))
     mask = build_mask(a.mask, a.seqlen, a.seed, a.window, a.block, a.num_global)
-    t0 = time.perf_counter()
     try:
+        model = cost_model(a, MASK_CLASS.get(a.mask, a.mask))
+        t0 = time.perf_counter()
         plan = make_plan(mask, cp=a.cp, chunk_size=a.chunk, solver=a.solver, overlap=a.overlap,
-                         num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim)
+                         num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim, cost_model=model)
     except ValueError as e:
         print(f"plan: {e}")
         return 2
@@ -226,7 +252,7 @@ def simulate_main(argv: Sequence[str]) -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--solvers", default=",".join(SIM_SOLVERS))
     p.add_argument("--markdown", default=None, help="append the table as a dated section to this file")
-    _common(p)
+    _common(p, "varlen_causal, the simulated workload")
     a = p.parse_args(list(argv))
     cps = [int(x) for x in a.cp.split(",") if x]
     solvers = [x for x in a.solvers.split(",") if x]
@@ -234,7 +260,13 @@ def simulate_main(argv: Sequence[str]) -> int:
         if s not in SIM_SOLVERS and s not in SOLVERS:
             print(f"simulate: unknown solver {s!r}")
             return 2
-    kw = dict(overlap=a.overlap, num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim)
+    try:
+        model = cost_model(a, "varlen_causal")
+    except ValueError as e:
+        print(f"simulate: {e}")
+        return 2
+    kw = dict(overlap=a.overlap, num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim,
+              cost_model=model)
     ratio = "comm_aware" in solvers and "minheap" in solvers
     head = ("| cp | tokens | " + " | ".join(f"{s}: max/mean area, max remote/total, TFLOP/s" for s in solvers)
             + (" | comm_aware / minheap max remote |" if ratio else " |") + " comm_aware plan s |")

@@ -70,6 +70,8 @@ class PlanStats:
     predicted_time_s: float    # forward time from the cost model (stages.py: the slowest rank)
     rank_time_s: np.ndarray    # [cp] each rank's finish time
     stage_comm_s: np.ndarray   # [stages]
+    host_time_s: np.ndarray    # [cp] host call
+    stage_time_s: np.ndarray   # [stages, cp] stage calls (degree 0: the fetched part of the one fused call)
     flops: float               # forward FLOPs over all ranks: 4 * area * Hq * D
 
     @property
@@ -411,6 +413,7 @@ def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str,
                       buffer_lens=tuple(s.buffer_len for s in stages),
                       imbalance=float(area.max() / max(area.mean(), 1e-300)),
                       predicted_time_s=timing.total, rank_time_s=timing.per_rank, stage_comm_s=timing.comm,
+                      host_time_s=timing.host, stage_time_s=timing.comp,
                       flops=4.0 * float(area.sum()) * hq * head_dim)
     _freeze(dispatch_perm, undispatch_perm, table.areas, *host.__dict__.values(),
             *(a for s in stages for a in (*s.slices.__dict__.values(), s.transfers.src, s.transfers.dst,

@@ -18,7 +18,13 @@ would wrongly prefer degree 0). Degree 0 fetches everything first and runs one f
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import os
+import pathlib
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -28,7 +34,8 @@ MAX_DEGREE = 8
 @dataclass(frozen=True)
 class CostModel:
     """Calibratable constants. Defaults: one H200, bf16 (PEERS.md: FFA-class kernels reach 450-600 TFLOP/s
-    forward on masked cells; all_to_all moves 266 GB/s per rank over NVLink)."""
+    forward on masked cells; all_to_all moves 266 GB/s per rank over NVLink). Measured ones, per mask
+    class: bench/calibrate.py writes them to a file that ``CostModel.load`` reads."""
 
     flops_per_s: float = 450e12          # attention forward, counting unmasked cells only
     bytes_per_s: float = 250e9           # per rank, inter-GPU
@@ -51,6 +58,75 @@ class CostModel:
             raise ValueError("calibrated: cells, bytes and seconds must be positive")
         return cls(flops_per_s=4.0 * num_heads_q * head_dim * attn_cells / attn_seconds,
                    bytes_per_s=comm_bytes / comm_seconds, **kw)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, mask_class: str | None = None) -> "CostModel":
+        """The model of ``mask_class`` in a calibration file (``save_calibration``, written by
+        bench/calibrate.py); ``mask_class`` may be left out when the file holds one class."""
+        classes = load_calibration(path)[0]
+        if mask_class is None:
+            if len(classes) == 1:
+                return next(iter(classes.values()))
+            raise ValueError(f"mask_class: calibration file {path} holds {sorted(classes)}; name one")
+        if mask_class not in classes:
+            raise ValueError(f"mask_class: {mask_class!r} is not in calibration file {path} "
+                             f"(it holds {sorted(classes)})")
+        return classes[mask_class]
+
+    def save(self, path: str | os.PathLike, mask_class: str, **meta: Any) -> pathlib.Path:
+        """Writes a calibration file holding this model as ``mask_class`` (and ``meta``)."""
+        return save_calibration(path, {mask_class: self}, **meta)
+
+
+_COST_FIELDS = tuple(f.name for f in dataclasses.fields(CostModel))
+
+
+def save_calibration(path: str | os.PathLike, models: Mapping[str, CostModel], **meta: Any) -> pathlib.Path:
+    """Writes ``{"classes": {mask class: CostModel fields}, **meta}`` as JSON (folders created); ``meta``
+    records where the numbers come from (device, versions, date, command, measurements)."""
+    if not models:
+        raise ValueError("models: at least one mask class is needed")
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"classes": {name: dataclasses.asdict(m) for name, m in models.items()}, **meta}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    return path
+
+
+def load_calibration(path: str | os.PathLike) -> tuple[dict[str, CostModel], dict[str, Any]]:
+    """(models by mask class, the other top-level entries) of a file written by ``save_calibration``; a
+    missing file, bad JSON or a missing, unknown or non-positive field is a ValueError naming the file."""
+    where = f"calibration file {path}"
+    try:
+        doc = json.loads(pathlib.Path(path).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{where}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{where}: not readable as JSON ({e})") from None
+    classes = doc.get("classes") if isinstance(doc, dict) else None
+    if not isinstance(classes, dict) or not classes:
+        raise ValueError(f"{where}: expected an object with a non-empty \"classes\" object")
+    models = {name: _cost_model(fields, f"{where}: classes.{name}") for name, fields in classes.items()}
+    return models, {k: v for k, v in doc.items() if k != "classes"}
+
+
+def _cost_model(fields: Any, where: str) -> CostModel:
+    if not isinstance(fields, dict):
+        raise ValueError(f"{where}: expected an object of {list(_COST_FIELDS)}")
+    missing = [f for f in _COST_FIELDS if f not in fields]
+    if missing:
+        raise ValueError(f"{where}: missing fields {missing}")
+    unknown = sorted(set(fields) - set(_COST_FIELDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown fields {unknown} (expected {list(_COST_FIELDS)})")
+    for name, v in fields.items():
+        fixed_cost = name in ("collective_latency_s", "launch_s")      # may be 0; rates and sizes may not
+        ok = (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+              and (v >= 0 if fixed_cost else v > 0))
+        if not ok or (name == "dtype_bytes" and v != int(v)):
+            raise ValueError(f"{where}.{name}: expected a {'non-negative' if fixed_cost else 'positive'} "
+                             f"{'integer' if name == 'dtype_bytes' else 'number'}, got {v!r}")
+    return CostModel(**{**fields, "dtype_bytes": int(fields["dtype_bytes"])})
 
 
 @dataclass(frozen=True)
@@ -101,14 +177,19 @@ def stage_timing(degree: int, cp: int, host_area: np.ndarray, dst: np.ndarray, s
         return StageTiming(0, float(host.max()), host, z, np.zeros((0, cp)), host)
     rank_comm = model.collective_latency_s + key_s * np.maximum(recv, send)      # [d, cp]
     comm = rank_comm.max(axis=1)
-    if degree == 0:
-        fused = host + cell_s * comp_area[0]
-        return StageTiming(0, float(comm[0] + fused.max()), host, comm, comp_area * cell_s,
-                           comm[0] + fused)
-    comp = model.launch_s + cell_s * comp_area
+    comp = cell_s * comp_area if degree == 0 else model.launch_s + cell_s * comp_area
+    per_rank = finish_times(host, comm, comp, fused=degree == 0)
+    return StageTiming(degree, float(per_rank.max()), host, comm, comp, per_rank)
+
+
+def finish_times(host: np.ndarray, comm: np.ndarray, comp: np.ndarray, fused: bool) -> np.ndarray:
+    """Each rank's finish time from the seconds of its parts (the module docstring's recurrence): host [cp],
+    comm [d], comp [d, cp]. ``fused`` (degree 0): one fetch, then one call of host + comp[0] seconds.
+    Also composes measured parts (bench/calibrate.py), to tell a wrong rate from a wrong schedule."""
+    if fused:
+        return comm[0] + host + comp[0]
     landed = np.cumsum(comm)
     per_rank = host
-    for i in range(d):
+    for i in range(len(comm)):
         per_rank = np.maximum(per_rank, landed[i]) + comp[i]
-    total = per_rank.max()
-    return StageTiming(degree, float(total), host, comm, comp, per_rank)
+    return per_rank
