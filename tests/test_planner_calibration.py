@@ -139,14 +139,14 @@ def test_cli_bad_calibration_names_the_flag(tmp_path, capsys, main):
 # ------------------------------------------------------------------------- bench/calibrate.py on CPU
 
 def test_fit_line():
-    calibrate = pytest.importorskip("bench.calibrate", reason="bench/ is not part of the Bazel test inputs")
+    from bench import calibrate
     assert calibrate.fit_line(1.0, 3.0, 3.0, 7.0) == pytest.approx((2.0, 1.0))
     assert calibrate.fit_line(1.0, 3.0, 4.0, 2.0) == (0.5, 0.0)          # falling (noise): through the origin
     assert calibrate.fit_line(1.0, 1.0, 2.0, 5.0) == (2.5, 0.0)          # negative at zero: through the origin
 
 
 def test_calibrate_end_to_end_on_host_devices(tmp_path, monkeypatch, capsys):
-    calibrate = pytest.importorskip("bench.calibrate", reason="bench/ is not part of the Bazel test inputs")
+    from bench import calibrate
     monkeypatch.delenv("OUT", raising=False)
     out = tmp_path / "cal" / "cpu.json"
     assert calibrate.main(["--platform", "cpu", "--devices", "2", "--tokens-per-device", "128", "--heads", "2",
