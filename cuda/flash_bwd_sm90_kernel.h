@@ -2,8 +2,10 @@
 // consumer warpgroups, a producer warp (setmaxnreg). One CTA per (k block of 128 keys, kv head), like the
 // mma.sync dk/dv kernel (flash_bwd_dkdv_kernel.h), whose walk it shares (scheduler.h, KvStep): every slice
 // of the k block's list, every q head of the GQA group, every row tile of 64 rows attending the keys.
-//   producer warp:  K, V once -> kv_full; per step: lse (log2 units, +inf for empty rows) and delta by plain
-//                   stores, then Q, dO by TMA -> row_full[stage], after row_empty[stage]
+// Only the producer walks; it hands each step (first row, q head, the slice) to the consumers in shared
+// memory (BwdSm90Step), and ends the walk with one row_full phase without data (kStepEnd).
+//   producer warp:  K, V once -> kv_full; per step: lse (log2 units, +inf for empty rows), delta and the
+//                   step by plain stores, then Q, dO by TMA -> row_full[stage], after row_empty[stage]
 //   consumer wg w:  keys [64 w, 64 w + 64) of the block (wgmma M = 64); per step
 //                   S^T = K Q^T, dP^T = V dO^T (SS, both K-major, N = 64 rows),
 //                   P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - delta) (exact mask per cell unless the
@@ -12,7 +14,9 @@
 //                   kDq: dS^T -> smem (swizzled, double-buffered), named barrier of both consumers,
 //                   dQ = dS K (SS, A = dS^T MN-major, B = K MN-major), scaled dQ -> the warpgroup's fp32
 //                   staging buffer, one TMA reduce-add (cp.reduce.async.bulk.tensor .add) of the 64 x 64
-//                   box into the accumulator.
+//                   box into the accumulator. The steps are software-pipelined (see the consumer loop):
+//                   S^T(i+1) is issued behind dQ(i), P^T(i) is computed while dP^T(i) runs, and the Q / dO
+//                   stage is released once dV / dK have landed.
 // A consumer thread holds keys 16 v + g and 16 v + g + 8 of its warpgroup's 64 (v the warp in the
 // warpgroup), columns (rows of q) 8 i + 2 t (+1): the mma.sync C layout, so mask.h's MaskRows applies with
 // the key intervals of KeyInterval. dQ split: D 128, warpgroup w computes dQ columns [64 w, 64 w + 64) over
@@ -22,7 +26,7 @@
 // the threads store their fragment into the warpgroup's buffer (conflict-free, StoreDq), fence.proxy.async,
 // a warpgroup barrier, and one thread issues the box (rows past Tq skipped by TMA, as the atomics skipped
 // them). The buffer is rewritten one step later, after the issuing thread's cp.async.bulk.wait_group.read,
-// which the next step's consumer barrier 1 orders before every thread's stores: no extra barrier.
+// which the following consumer barrier 1 orders before every thread's stores: no extra barrier.
 // Epilogue: dK (scaled) and dV packed into the (now idle) Q / dO rings in the 128-byte swizzle, one TMA store
 // per 64-column chunk and warpgroup (keys past the end clipped by TMA).
 #pragma once
@@ -88,12 +92,34 @@ MAGI_DEV void StoreDq(uint32_t base, const float (&dq)[8][4], float scale) {
   }
 }
 
+// What the producer tells the consumers about a step (the consumers do not walk the slice lists: the walk's
+// ~25 loop-carried registers would not fit beside the pipelined accumulators). In the barrier region, one per
+// stage, written by the producer's lane 0 before its row_full arrival (release) and read after the consumers'
+// row_full wait (acquire); rewritten only after the stage's row_empty phase.
+struct BwdSm90Step {
+  int32_t rb, head, flags, type;  // first row, q head, 0 or kStepEnd, slice type
+  int32_t qs, qe, ks, ke;         // the slice, clamped as LoadSlice clamps it
+};
+constexpr int32_t kStepEnd = 4;  // no step: the walk is over (a row_full phase without data)
+
+// Barrier region layout (Tile::kBarBytes): the mbarriers, then the steps, then per consumer warpgroup the
+// (q head, first row) of its dQ box in flight.
+template <int kStages>
+struct BwdSm90Region {
+  static constexpr uint32_t kStepOffset = 64;
+  static constexpr uint32_t kDqCoordOffset = kStepOffset + kStages * sizeof(BwdSm90Step);
+  static constexpr uint32_t kBytes = kDqCoordOffset + 2 * 8;
+  static_assert(sizeof(BwdSm90Barriers<kStages>) <= kStepOffset, "mbarriers fit before the steps");
+};
+
 template <typename T, int D, bool kDq>
 __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     FlashBwdSm90Kernel(const __grid_constant__ BwdSm90Params p) {
   using Tile = BwdSm90Tile<D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages, kChunks = Tile::kChunks;
   constexpr int WK = Tile::kKeysPerWarpgroup;
+  using Region = BwdSm90Region<kStages>;
+  static_assert(Region::kBytes <= Tile::kBarBytes, "the barrier region holds the steps and the dQ coordinates");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   unsigned char* sk = smem + Tile::kKOffset;
@@ -105,12 +131,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   unsigned char* sds = smem + Tile::kDsOffset;
   unsigned char* sdq = smem + Tile::kDqOffset;
   auto& bars = *reinterpret_cast<BwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
+  BwdSm90Step* steps = reinterpret_cast<BwdSm90Step*>(smem + Tile::kBarOffset + Region::kStepOffset);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
   const BwdParams& bp = p.base;
   const SliceArgs& args = bp.slices;
   const int kb = int(blockIdx.x), hk = int(blockIdx.y), group = bp.hq / bp.hkv;
-  const int64_t c0 = int64_t(kb) * BN, c1 = c0 + BN;
 
   if (tid == 0) {
     MbarInit(&bars.kv_full, 1);
@@ -126,6 +152,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // ------------------------------------------------------------------------------------------ producer
     SetMaxRegsDec<Tile::kProducerRegs>();
     if (warp != 0) return;
+    const int64_t c0 = int64_t(kb) * BN, c1 = c0 + BN;
     if (lane == 0) {
       PrefetchTensorMap(&p.q_map);
       PrefetchTensorMap(&p.do_map);
@@ -157,6 +184,13 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
         slse[ps.stage * BM + i] = l2;
         sdelta[ps.stage * BM + i] = dl;
       }
+      if (lane < 2) {  // lane 0: (rb, head, flags, type), lane 1: the slice
+        const bool l0 = lane == 0;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SmemAddr(&steps[ps.stage]) + 16 * lane),
+                     "r"(l0 ? int(st.rb) : int(st.s.qs)), "r"(l0 ? h : int(st.s.qe)), "r"(l0 ? 0 : int(st.s.ks)),
+                     "r"(l0 ? st.s.type : int(st.s.ke))
+                     : "memory");
+      }
       __syncwarp();  // the lanes' stores precede lane 0's arrive (release) below
       if (lane == 0) {
         MbarArriveExpectTx(&bars.row_full[ps.stage], 2 * Tile::kRowBytes);
@@ -170,6 +204,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       }
       ps.Advance();
     }
+    // The end of the walk: one more row_full phase, without data, whose step says kStepEnd.
+    if (lane == 0) {
+      MbarWait(&bars.row_empty[ps.stage], ps.phase ^ 1);
+      steps[ps.stage].flags = kStepEnd;
+      MbarArrive(&bars.row_full[ps.stage]);
+    }
     return;
   }
 
@@ -179,8 +219,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   const int cw = wg - 1, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
   const bool softcap = bp.softcap > 0.0f;
   const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
-  const int64_t wk0 = c0 + cw * WK;              // the warpgroup's first key
-  const int64_t key = wk0 + wwarp * 16 + g;      // this thread's keys: key, key + 8
   // K-major A operands: the warpgroup's 64 keys of K and V (chunks BN * 128 bytes apart).
   const uint64_t desc_k = SmemDesc128B(sk + cw * (WK * 128), 16);
   const uint64_t desc_v = SmemDesc128B(sv + cw * (WK * 128), 16);
@@ -193,6 +231,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   const uint64_t desc_k_dq = SmemDesc128B(sk + (D == 128 ? cw * (BN * 128) : cw * (WK * 128)), BN * 128);
   const int dq_col0 = D == 128 ? cw * 64 : 0;
   unsigned char* dq_buf = sdq + cw * Tile::kDqBytes;
+  // The (q head, first row) of the warpgroup's dQ box in flight, stashed by the issuing thread (wtid 0) when
+  // the dQ GEMM is issued and read back by it at the drain, after the step's stage (and its BwdSm90Step) has
+  // been released.
+  const uint32_t dq_coord = SmemAddr(smem + Tile::kBarOffset + Region::kDqCoordOffset) + 8 * cw;
 
   float dk[DT][4], dv[DT][4];
 #pragma unroll
@@ -200,66 +242,162 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[di][e] = dv[di][e] = 0.0f;
 
-  MbarWait(&bars.kv_full, 0);
+  // Software pipeline, per warpgroup (commit groups in issue order; each wgmma.wait_group depth counts them).
+  // Step i, kDq:
+  //   finish(i-1): dV, dK(i-1) | dS^T -> smem, barrier 1 | dQ(i-1) | wait<1>: dV, dK(i-1) have landed ->
+  //                release the Q / dO stage of i-1 (its last readers), dQ(i-1) still runs
+  //   row_full(i) wait | S^T(i), queued behind dQ(i-1) | wait<0> | drain dQ(i-1) (staging store, TMA
+  //   reduce-add) | dP^T(i) | wait<1>: S^T(i) has landed, P^T = exp2(..) while dP^T(i) runs (not with
+  //   softcap: dS^T needs the capped score too) | wait<0> | dS^T, pack P^T, dS^T -> finish(i)
+  // kDq false: finish retires dV, dK with a wait<0> and releases the stage (kept in flight instead, the P^T /
+  // dS^T fragments held across the row_full wait and S^T took the D 128 kernels into 24-byte spills).
+  // Nothing is in flight across the loop's back edge (after the wait<0> of dP^T). The drain waits with wait<0>
+  // rather than wait<1> (which would let it run under S^T(i)): reading dQ(i-1) after a wait<1> that retires it
+  // made ptxas serialise every wgmma of the kernel (C7514), with or without branches in between.
+  // Live accumulators per thread (D 128) stay <= 192: dK, dV + P^T, dS^T fragments + dQ; dK, dV + dQ + S^T;
+  // dK, dV + S^T, dP^T.
+  float dq[8][4];  // kDq: dQ(i-1), in flight from finish(i-1) to the drain
+#pragma unroll
+  for (int di = 0; di < 8; ++di)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[di][e] = 0.0f;
+  uint32_t pa[4][4], dsa[4][4];  // P^T, dS^T of the step begun, as A fragments
+
+  // The landed dQ of the previous step -> the warpgroup's staging buffer -> one TMA reduce-add.
+  auto drain_dq = [&]() {
+    StoreDq(DqStoreBase(dq_buf, wwarp), dq, bp.scale);
+    FenceProxyAsyncShared();
+    NamedBarrierSync(3 + cw, 128);  // the warpgroup's dQ is in dq_buf (barrier 3 + cw: this warpgroup's)
+    if (wtid == 0) {
+      uint32_t h, rb;
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h), "=r"(rb) : "r"(dq_coord) : "memory");
+      // The map address and the box's x / y are loop-invariant; offset by an opaque 0 they are computed here
+      // (a few instructions on one thread) rather than hoisted into uniform registers for the whole loop:
+      // hoisted, they took the D 128 consumers to UR61 of 63 and into 80-byte spills (even y alone, as
+      // z + dq_col0 / 32: keep the 0 inside the division).
+      const uint32_t z = OpaqueZero();
+      TmaReduceAdd4d(&p.dq_map + z, dq_buf + z, int(z), (int(z) + dq_col0) / 32, int(h), int(rb));
+      BulkCommit();
+    }
+    __syncwarp();
+  };
+
   PipeState<kStages> ps;
   int buf = 0;
-  int klo[2], khi[2], interval_cur = -1;
-  const SliceWalk walk(args, bp.k_lists, kb);
-  KvStep st;
-  for (StartSlice(walk, args, c0, c1, walk.First(args), &st); st.cur >= 0;
-       AdvanceStep(walk, args, c0, c1, group, BM, &st)) {
-    if (st.cur != interval_cur) {
-      interval_cur = st.cur;
-      KeyInterval(st.s, key, &klo[0], &khi[0]);
-      KeyInterval(st.s, key + 8, &klo[1], &khi[1]);
+
+  // The step of the current stage: (first row, flags), flags broadcast from lane 0 (a value read from shared
+  // memory is not known to be warp-uniform: branching on it would make the wgmmas "divergent").
+  auto read_step = [&](int* rb, int* flags) {
+    uint32_t r, f;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(r) : "r"(SmemAddr(&steps[ps.stage].rb)) : "memory");
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(f) : "r"(SmemAddr(&steps[ps.stage].flags)) : "memory");
+    *rb = int(r);
+    *flags = __shfl_sync(0xffffffffu, int(f), 0);
+  };
+
+  // S^T = K Q^T of the current stage (commit group S). Descriptors offset by an opaque 0: computed here, not
+  // hoisted (CSE between the two call sites would hold 16 64-bit descriptors across the loop: spills).
+  float s[1][8][4], dp[1][8][4];
+  auto issue_s = [&]() {
+    const uint32_t z = OpaqueZero();
+    const uint64_t da = desc_k + z, db = DescAdd(desc_q_k, ps.stage * Tile::kRowBytes + z);
+    WgmmaFence();
+    Wgmma<T, 64>::template SSZero<0, 0>(s[0], da, db);
+#pragma unroll
+    for (int kk = 1; kk < D / 16; ++kk) {
+      const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+      Wgmma<T, 64>::template SS<0, 0>(s[0], DescAdd(da, off_a), DescAdd(db, off_b), 1);
     }
+    WgmmaCommit();
+  };
+  // The previous step's tail has landed (the caller's wait): drain it.
+  auto drain_tail = [&]() {
+    if constexpr (kDq) {
+      FenceRegs(dq);
+      drain_dq();
+    }
+  };
+
+  // The rest of begin(i), after S^T(i) and the drain (see above).
+  auto begin_rest = [&](int rb) {
     const uint32_t stage_off = ps.stage * Tile::kRowBytes;
-    float s[1][8][4], dp[1][8][4];
-    MbarWait(&bars.row_full[ps.stage], ps.phase);
+    // dP^T = V dO^T (commit group dP).
     {
-      const uint64_t dq_k = DescAdd(desc_q_k, stage_off), ddo_k = DescAdd(desc_do_k, stage_off);
+      const uint32_t z = OpaqueZero();
+      const uint64_t da = desc_v + z, ddo_k = DescAdd(desc_do_k, stage_off + z);
       WgmmaFence();
-      Wgmma<T, 64>::template SSZero<0, 0>(s[0], desc_k, dq_k);
+      Wgmma<T, 64>::template SSZero<0, 0>(dp[0], da, ddo_k);
 #pragma unroll
       for (int kk = 1; kk < D / 16; ++kk) {
         const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
-        Wgmma<T, 64>::template SS<0, 0>(s[0], DescAdd(desc_k, off_a), DescAdd(dq_k, off_b), 1);
-      }
-      Wgmma<T, 64>::template SSZero<0, 0>(dp[0], desc_v, ddo_k);
-#pragma unroll
-      for (int kk = 1; kk < D / 16; ++kk) {
-        const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
-        Wgmma<T, 64>::template SS<0, 0>(dp[0], DescAdd(desc_v, off_a), DescAdd(ddo_k, off_b), 1);
+        Wgmma<T, 64>::template SS<0, 0>(dp[0], DescAdd(da, off_a), DescAdd(ddo_k, off_b), 1);
       }
       WgmmaCommit();
     }
     const float* lse_s = slse + ps.stage * BM;
     const float* delta_s = sdelta + ps.stage * BM;
-    WgmmaWait<0>();  // S^T and dP^T have landed
+    // Pending: S, dP. wait<1>: S^T has landed; P^T = exp2(S^T scale - lse) while dP^T runs (with softcap the
+    // exponentials wait for dP^T: dS^T needs the capped score as well as P^T, 32 more live registers).
+    WgmmaWait<1>();
     FenceRegs(s[0]);
-    FenceRegs(dp[0]);
     if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
-    if (!KeyTileInterior(st.s, wk0, WK, st.rb, BM)) MaskRows<1, 8>(s, klo, khi, int(st.rb), t);
-#pragma unroll
-    for (int ni = 0; ni < 8; ++ni) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
-      const float2 dl = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = s[0][ni][e];
-        const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
-        float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
-        if (softcap) {
-          const float th = x / bp.softcap;
-          ds = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
-        }
-        s[0][ni][e] = prob;
-        dp[0][ni][e] = ds;
+    {
+      const BwdSm90Step& info = steps[ps.stage];
+      Slice sl;
+      sl.qs = info.qs;
+      sl.qe = info.qe;
+      sl.ks = info.ks;
+      sl.ke = info.ke;
+      sl.type = info.type;
+      const int64_t wk0 = int64_t(kb) * BN + cw * WK;  // the warpgroup's first key
+      // Uniform (lane 0's value): a branch on a value read from shared memory would not be, to ptxas.
+      const bool interior = __shfl_sync(0xffffffffu, int(KeyTileInterior(sl, wk0, WK, rb, BM)), 0) != 0;
+      if (!interior) {
+        // The exact mask per cell, from the step's slice and this thread's keys.
+        const int64_t key = wk0 + wwarp * 16 + g;  // this thread's keys: key, key + 8
+        int klo[2], khi[2];
+        KeyInterval(sl, key, &klo[0], &khi[0]);
+        KeyInterval(sl, key + 8, &klo[1], &khi[1]);
+        MaskRows<1, 8>(s, klo, khi, rb, t);
       }
     }
-    uint32_t pa[4][4], dsa[4][4];
+    if (!softcap) {
+#pragma unroll
+      for (int ni = 0; ni < 8; ++ni) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][ni][e] = Exp2(s[0][ni][e] * scale_log2 - ((e & 1) ? l2.y : l2.x));
+      }
+    }
+    WgmmaWait<0>();  // dP^T has landed: nothing in flight
+    FenceRegs(dp[0]);
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
+      if (softcap) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = s[0][ni][e];
+          const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
+          const float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+          const float th = x / bp.softcap;
+          s[0][ni][e] = prob;
+          dp[0][ni][e] = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[0][ni][e] = s[0][ni][e] * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+      }
+    }
     PackA64<T>(s[0], pa);
     PackA64<T>(dp[0], dsa);
+  };
+
+  // finish(i) (see above).
+  auto finish = [&]() {
+    const uint32_t stage_off = ps.stage * Tile::kRowBytes;
+    // dV += P^T dO, dK += dS^T Q (commit group dKV).
     {
       const uint64_t dq_mn = DescAdd(desc_q_mn, stage_off), ddo_mn = DescAdd(desc_do_mn, stage_off);
       FenceRegs(dv);
@@ -286,11 +424,19 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
         *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr + 8, col + 8)) = dsa[kk][3];
       }
       FenceProxyAsyncShared();
-      // The previous step's dQ reduce has read dq_buf (only the issuing thread has bulk groups, the others
-      // pass; uniform, no lane-dependent branch before the wgmmas); the barrier orders it before the stores.
+      // The last drain's reduce-add has read dq_buf (only the issuing thread has bulk groups, the others pass;
+      // uniform, no lane-dependent branch before the wgmmas); barrier 1 orders it before the next drain's
+      // stores.
       BulkWaitRead();
       NamedBarrierSync(1, Tile::kConsumerThreads);  // both warpgroups' dS^T are in ds_buf
-      float dq[8][4];
+      // Stash the box's (q head, first row) for the drain: predicated in one asm statement, no branch (see
+      // the loop's note on C7514).
+      asm volatile(
+          "{\n.reg .pred p;\n.reg .b32 r, h;\nsetp.eq.b32 p, %2, 0;\nld.shared.v2.u32 {r, h}, [%1];\n"
+          "@p st.shared.v2.u32 [%0], {h, r};\n}\n" ::"r"(dq_coord),
+          "r"(SmemAddr(&steps[ps.stage].rb)), "r"(wtid)
+          : "memory");
+      // dQ = dS K (commit group dQ): the tail, left in flight.
       const uint64_t da = DescAdd(desc_ds, buf * Tile::kDsBytes);
       WgmmaFence();
       Wgmma<T, 64>::template SSZero<1, 1>(dq, da, desc_k_dq);
@@ -298,33 +444,49 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       for (int kk = 1; kk < kDqSteps; ++kk)
         Wgmma<T, 64>::template SS<1, 1>(dq, DescAdd(da, kk * 2048), DescAdd(desc_k_dq, kk * 2048), 1);
       WgmmaCommit();
-      WgmmaWait<0>();
+      // Pending: dKV, dQ. wait<1>: dV / dK have landed (the Q / dO stage and the A fragments are free).
+      WgmmaWait<1>();
       FenceRegs(dv);
       FenceRegs(dk);
-      FenceRegs(dq);
-      if (wtid == 0) MbarArrive(&bars.row_empty[ps.stage]);
-      StoreDq(DqStoreBase(dq_buf, wwarp), dq, bp.scale);
-      FenceProxyAsyncShared();
-      NamedBarrierSync(3 + cw, 128);  // the warpgroup's dQ is in dq_buf (barrier 3 + cw: this warpgroup's)
-      if (wtid == 0) {
-        // The map address and the box's x / y are loop-invariant; offset by an opaque 0 they are computed here
-        // (a few instructions on one thread) rather than hoisted into uniform registers for the whole loop:
-        // hoisted, they took the D 128 consumers to UR61 of 63 and into 80-byte spills (even y alone, as
-        // z + dq_col0 / 32: keep the 0 inside the division).
-        const uint32_t z = OpaqueZero();
-        TmaReduceAdd4d(&p.dq_map + z, dq_buf + z, int(z), (int(z) + dq_col0) / 32, hk * group + st.head,
-                       int(st.rb));
-        BulkCommit();
-      }
-      __syncwarp();
+      MbarArriveIf(&bars.row_empty[ps.stage], wtid == 0);
       buf ^= 1;
     } else {
+      // No dQ: dV / dK are retired here (kept in flight into the next step, the P^T / dS^T fragments held
+      // across the row_full wait and S^T took the D 128 kernels into 24-byte spills).
       WgmmaWait<0>();
       FenceRegs(dv);
       FenceRegs(dk);
-      if (wtid == 0) MbarArrive(&bars.row_empty[ps.stage]);
+      MbarArriveIf(&bars.row_empty[ps.stage], wtid == 0);
     }
-    ps.Advance();
+  };
+
+  MbarWait(&bars.kv_full, 0);
+  int rb, flags;
+  MbarWait(&bars.row_full[ps.stage], ps.phase);
+  read_step(&rb, &flags);
+  if (!(flags & kStepEnd)) {
+    issue_s();
+    begin_rest(rb);
+    for (;;) {
+      finish();
+      ps.Advance();
+      MbarWait(&bars.row_full[ps.stage], ps.phase);
+      read_step(&rb, &flags);
+      // S^T of the next step, issued before the walk's end is tested: at the end it multiplies the stale Q of
+      // the end's stage and is discarded. No branch may separate the tail's commit from the wait<1> that
+      // retires it: across one ptxas lost count of the groups and serialised every wgmma (C7514).
+      issue_s();
+      // Pending: tail, S^T. wait<0>, not wait<1>: reading dQ after a wait<1> here made ptxas serialise every
+      // wgmma (C7514), whatever the branches around it (NOTES: next lever). S^T(i+1) runs on the tensor cores
+      // right behind dQ(i); the drain follows it.
+      WgmmaWait<0>();
+      drain_tail();
+      if (flags & kStepEnd) {
+        WgmmaWait<0>();
+        break;
+      }
+      begin_rest(rb);
+    }
   }
 
   // -------------------------------------------------------------------------------------------- epilogue
@@ -346,8 +508,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   if (wtid == 0) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      TmaStore3d(&p.dk_map, stage_k + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, int(wk0));
-      TmaStore3d(&p.dv_map, stage_v + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, int(wk0));
+      TmaStore3d(&p.dk_map, stage_k + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, kb * BN + cw * WK);
+      TmaStore3d(&p.dv_map, stage_v + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, kb * BN + cw * WK);
     }
     BulkCommit();
     BulkWait();  // also completes this thread's dQ reduce-adds (the dq convert kernel reads them next)

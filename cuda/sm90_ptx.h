@@ -24,6 +24,14 @@ MAGI_DEV void MbarInitFence() { asm volatile("fence.mbarrier_init.release.cluste
 MAGI_DEV void MbarArrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddr(bar)) : "memory");
 }
+// MbarArrive by the threads with `pred` only, predicated inside one asm statement: no branch (a branch between
+// a wgmma commit and the wait that retires it made ptxas lose count of the commit groups).
+MAGI_DEV void MbarArriveIf(uint64_t* bar, bool pred) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(
+                   SmemAddr(bar)),
+               "r"(int(pred))
+               : "memory");
+}
 // The producer's arrival announcing `bytes` of TMA transactions to complete the current phase.
 MAGI_DEV void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(bytes)
