@@ -13,6 +13,9 @@
 //   ping-pong:      the two consumer warpgroups take turns to issue their wgmmas (named barriers
 //                   kSchedBarrier + cw, FA3's scheduler barrier), so one warpgroup's softmax runs while
 //                   the other's GEMMs occupy the tensor cores, and their epilogues are staggered too.
+// Head dim 256 (FwdSm90Tile<256>): key tiles of 80, one Q buffer which also stages the output (released to
+// the producer after the epilogue's store has read it), no intra-warpgroup overlap (registers: O alone is
+// 128 per thread): S(j) and O += P(j) V(j) are a turn each, the ping-pong hides the softmax.
 // Each consumer warpgroup owns 64 rows; a thread holds rows 16 w + g and 16 w + g + 8 of them (w the warp in
 // the warpgroup), i.e. the mma.sync C layout, so mask.h / softmax.h helpers apply with MT = 1.
 // Exact masking: tiles not wholly inside the slice for the warpgroup's 64 rows are masked per cell.
@@ -231,30 +234,35 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   const uint32_t desc_k = uint32_t(desc_k_full);
   const uint32_t desc_v = uint32_t(SmemDesc128B(sv, BN * 128));
   auto desc = [desc_hi](uint32_t lo) { return (uint64_t(desc_hi) << 32) | lo; };
-  unsigned char* so_wg = so + cw * (WM * D * 2);  // [kChunks][64 rows][64], 128B swizzle
+  // This warpgroup's output staging: kChunks chunks of [64 rows][64] (128B swizzle) kOChunkBytes apart; with
+  // kOInQ (D 256) its own 64 rows of the Q buffer.
+  unsigned char* so_wg = so + cw * Tile::kOWgBytes;
 
   PipeState<kStages> kv;
   // Tiles taken so far: Q buffer and tile-ring slot q_iter % 2, phase (q_iter / 2) % 2 (both rings have two
-  // slots and advance once per tile). One register (not two PipeStates and a descriptor kept across
-  // tiles): the D 64 consumers sit at the register limit (the tile slot's own PipeState was spilled there).
+  // slots and advance once per tile; with one Q buffer (D 256) its phase is q_iter % 2). One register (not
+  // two PipeStates and a descriptor kept across tiles): the D 64 consumers sit at the register limit (the
+  // tile slot's own PipeState was spilled there).
   uint32_t q_iter = 0;
   // Ping-pong: warpgroup 0 takes the first turn, given by warpgroup 1 below; every later turn is handed over
   // after a batch of wgmmas is issued (sched_sync / sched_arrive below). Both warpgroups walk the same steps
   // of the same tiles (the walk is per q block), so the turns pair up; warpgroup 0 takes the one left over
   // after the loop, leaving both barriers as they started.
   auto sched_sync = [&]() {
-    if constexpr (kPingPong) NamedBarrierSync(kSchedBarrier + cw, Tile::kConsumerThreads);
+    if constexpr (kPingPong && Tile::kPingPong) NamedBarrierSync(kSchedBarrier + cw, Tile::kConsumerThreads);
   };
   auto sched_arrive = [&]() {
-    if constexpr (kPingPong) NamedBarrierArrive(kSchedBarrier + (cw ^ 1), Tile::kConsumerThreads);
+    if constexpr (kPingPong && Tile::kPingPong) NamedBarrierArrive(kSchedBarrier + (cw ^ 1), Tile::kConsumerThreads);
   };
   if (cw == 1) sched_arrive();  // warpgroup 0's first turn
   while (true) {
-    const int q_stage = int(q_iter & 1);
-    const uint32_t q_phase = (q_iter >> 1) & 1;
-    MbarWait(&bars.tile_full[q_stage], q_phase);
-    const int tile = __shfl_sync(0xffffffffu, bars.tile[q_stage], 0);  // uniform, visibly
-    MbarArrive(&bars.tile_empty[q_stage]);
+    const int slot = int(q_iter & 1);
+    const uint32_t slot_phase = (q_iter >> 1) & 1;
+    const int q_stage = Tile::kQStages == 2 ? slot : 0;
+    const uint32_t q_phase = Tile::kQStages == 2 ? slot_phase : q_iter & 1;
+    MbarWait(&bars.tile_full[slot], slot_phase);
+    const int tile = __shfl_sync(0xffffffffu, bars.tile[slot], 0);  // uniform, visibly
+    MbarArrive(&bars.tile_empty[slot]);
     if (tile >= p.num_tiles) break;
     int qb, h;
     DecodeTile(p, tile, &qb, &h);
@@ -345,55 +353,89 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // registers PV(j-1) reads, made it the critical path), so the softmax never overlapped PV within the
     // warpgroup. The O rescale moved into the turn, between the two GEMM batches (FA3), where it runs
     // under S(j) instead of delaying the next issue.
-    if (st.cur >= 0) {
-      start_slice();
-      MbarWait(&bars.k_full[kv.stage], kv.phase);
-      sched_sync();
-      issue_s();
-      sched_arrive();
-      WgmmaWait<0>();
-      release(&bars.k_empty[kv.stage]);
-      float alpha[2];
-      softmax_s(alpha);
-      // O is still zero, and the next step rescales it by alpha before the first PV: 1, not this step's
-      // 2^(-inf * scale_log2 - base) (0, but NaN for a zero scale).
-      alpha[0] = alpha[1] = 1.0f;
-      PackP<T, NT>(s[0], pa);
-      PipeState<kStages> prev = kv;
-      kv.Advance();
-      bool more = next_step();
-      while (more) {
+    if constexpr (Tile::kIntraWgOverlap) {
+      if (st.cur >= 0) {
+        start_slice();
         MbarWait(&bars.k_full[kv.stage], kv.phase);
-        MbarWait(&bars.v_full[prev.stage], prev.phase);
         sched_sync();
         issue_s();
-        FenceRegs(o);  // the rescale below stays after the S issue (NVVM)
+        sched_arrive();
+        WgmmaWait<0>();
+        release(&bars.k_empty[kv.stage]);
+        float alpha[2];
+        softmax_s(alpha);
+        // O is still zero, and the next step rescales it by alpha before the first PV: 1, not this step's
+        // 2^(-inf * scale_log2 - base) (0, but NaN for a zero scale).
+        alpha[0] = alpha[1] = 1.0f;
+        PackP<T, NT>(s[0], pa);
+        PipeState<kStages> prev = kv;
+        kv.Advance();
+        bool more = next_step();
+        while (more) {
+          MbarWait(&bars.k_full[kv.stage], kv.phase);
+          MbarWait(&bars.v_full[prev.stage], prev.phase);
+          sched_sync();
+          issue_s();
+          FenceRegs(o);  // the rescale below stays after the S issue (NVVM)
+          Sm90RowSoftmax::Rescale(o, alpha);
+          issue_pv(prev);
+          sched_arrive();
+          WgmmaWait<1>();  // S(j) has landed
+          release(&bars.k_empty[kv.stage]);
+          softmax_s(alpha);
+          const PipeState<kStages> done = prev;
+          prev = kv;
+          kv.Advance();
+          more = next_step();
+          WgmmaWait<0>();  // O += P(j-1) V(j-1) has landed
+          FenceRegs(o);
+          release(&bars.v_empty[done.stage]);
+          PackP<T, NT>(s[0], pa);
+        }
+        // The last S wgmma has landed (kOInQ: the buffer is released after the epilogue's store instead).
+        if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
         Sm90RowSoftmax::Rescale(o, alpha);
+        MbarWait(&bars.v_full[prev.stage], prev.phase);  // V before the turn, as K
+        sched_sync();
         issue_pv(prev);
         sched_arrive();
-        WgmmaWait<1>();  // S(j) has landed
-        release(&bars.k_empty[kv.stage]);
-        softmax_s(alpha);
-        const PipeState<kStages> done = prev;
-        prev = kv;
-        kv.Advance();
-        more = next_step();
-        WgmmaWait<0>();  // O += P(j-1) V(j-1) has landed
+        WgmmaWait<0>();
         FenceRegs(o);
-        release(&bars.v_empty[done.stage]);
-        PackP<T, NT>(s[0], pa);
+        release(&bars.v_empty[prev.stage]);
+      } else {
+        if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
       }
-      release(&bars.q_empty[q_stage]);  // the last S wgmma has landed
-      Sm90RowSoftmax::Rescale(o, alpha);
-      MbarWait(&bars.v_full[prev.stage], prev.phase);  // V before the turn, as K
-      sched_sync();
-      issue_pv(prev);
-      sched_arrive();
-      WgmmaWait<0>();
-      FenceRegs(o);
-      release(&bars.v_empty[prev.stage]);
     } else {
-      release(&bars.q_empty[q_stage]);
+      // Without the intra-warpgroup overlap (D 256, FA3's loop for that case): step j is two turns, S(j)
+      // and then O += P(j) V(j), each waited for; the other warpgroup's GEMMs run under this one's softmax
+      // (ping-pong). Only S or P is live next to O (128 + 40 registers).
+      if (st.cur >= 0) start_slice();
+      bool first = true;
+      while (st.cur >= 0) {
+        MbarWait(&bars.k_full[kv.stage], kv.phase);
+        sched_sync();
+        issue_s();
+        sched_arrive();
+        WgmmaWait<0>();
+        release(&bars.k_empty[kv.stage]);
+        float alpha[2];
+        softmax_s(alpha);
+        // O is zero before the first PV: 1, not 2^(-inf * scale_log2 - base) (0, but NaN for a zero scale).
+        if (first) alpha[0] = alpha[1] = 1.0f;
+        first = false;
+        Sm90RowSoftmax::Rescale(o, alpha);
+        PackP<T, NT>(s[0], pa);
+        MbarWait(&bars.v_full[kv.stage], kv.phase);
+        sched_sync();
+        issue_pv(kv);
+        sched_arrive();
+        WgmmaWait<0>();
+        FenceRegs(o);
+        release(&bars.v_empty[kv.stage]);
+        kv.Advance();
+        next_step();
+      }
+      if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
     }
 
     // -------------------------------------------------------------------------------------------- epilogue
@@ -404,7 +446,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
 #pragma unroll
     for (int di = 0; di < DT; ++di) {
       const int col = di * 8 + 2 * t, chunk = col / 64, r = wwarp * 16 + g;
-      unsigned char* base = so_wg + chunk * (WM * 128);
+      unsigned char* base = so_wg + chunk * Tile::kOChunkBytes;
       *reinterpret_cast<uint32_t*>(base + Swizzle128B(r, col % 64)) = Elem<T>::Pack(o[di][0], o[di][1]);
       *reinterpret_cast<uint32_t*>(base + Swizzle128B(r + 8, col % 64)) = Elem<T>::Pack(o[di][2], o[di][3]);
     }
@@ -412,8 +454,13 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     NamedBarrierSync(kEpilogueBarrier + cw, 128);
     if (wtid == 0) {
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) TmaStore3d(&p.out_map, so_wg + c * (WM * 128), 64 * c, h, int(wr0));
+      for (int c = 0; c < kChunks; ++c) TmaStore3d(&p.out_map, so_wg + c * Tile::kOChunkBytes, 64 * c, h, int(wr0));
       BulkCommit();
+      if constexpr (Tile::kOInQ) {
+        // The staging rows are this warpgroup's Q rows: the next tile's Q may land once the store has read them.
+        BulkWaitRead();
+        MbarArrive(&bars.q_empty[q_stage]);
+      }
     }
     if (t == 0) {
       if (row < tq) fp.lse[row * fp.hq + h] = lse[0];

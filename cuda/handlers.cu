@@ -26,16 +26,20 @@ ffi::Error CudaFailure(const char* what, cudaError_t err) {
   return ffi::Error(ffi::ErrorCode::kInternal, std::string("magi_jax CUDA ") + what + ": " + cudaGetErrorString(err));
 }
 
-// Calls fn(T{}, std::integral_constant<int, D>{}) for the supported element types and head dims.
-template <typename Fn>
+// Calls fn(T{}, std::integral_constant<int, D>{}) for the supported element types and head dims (256 only
+// with kWith256: the forward, through the sm90 kernel alone).
+template <bool kWith256 = false, typename Fn>
 ffi::Error DispatchTypeAndDim(ffi::DataType dtype, int64_t d, Fn&& fn) {
   auto by_dim = [&](auto tag) -> ffi::Error {
     switch (d) {
       case 64: return fn(tag, std::integral_constant<int, 64>{});
       case 128: return fn(tag, std::integral_constant<int, 128>{});
+      case 256:
+        if constexpr (kWith256) return fn(tag, std::integral_constant<int, 256>{});
+        [[fallthrough]];
       default:
-        return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) +
-                                           " is not supported by the CUDA kernels (64 or 128)");
+        return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) + " is not supported by the CUDA " +
+                                           (kWith256 ? "forward (64, 128 or 256)" : "kernels (64 or 128)"));
     }
   };
   switch (dtype) {
@@ -85,6 +89,27 @@ FwdKernel ForwardKernel() {
   return env != nullptr && std::string(env) == "sm90" ? FwdKernel::kSm90 : FwdKernel::kMmaSync;
 }
 
+// Head dim 256 has one CUDA forward, the sm90 one (TMA + wgmma; the mma.sync forward has no D 256 tile: its
+// registers and shared memory are sized for 64 and 128), so D 256 takes it whatever MAGI_JAX_FFA_KERNEL
+// says, on an sm_90 GPU (the only target this library is built for); anything else gets a clear error
+// before any kernel runs. Its backward does not exist yet (FfaBwdImpl refuses D 256 up front).
+constexpr int64_t kSm90OnlyHeadDim = 256;
+ffi::Error CheckSm90ForHeadDim(int64_t d) {
+  int device = 0, major = 0, minor = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return CudaFailure("device", err);
+  if (cudaError_t err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+      err != cudaSuccess)
+    return CudaFailure("device", err);
+  if (cudaError_t err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+      err != cudaSuccess)
+    return CudaFailure("device", err);
+  if (major != 9 || minor != 0)
+    return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) +
+                                       " needs an sm_90 (Hopper) GPU on CUDA, got sm_" +
+                                       std::to_string(major * 10 + minor));
+  return ffi::Error::Success();
+}
+
 // MAGI_JAX_CUDA_LIST_CAPACITY caps the ids buffer (tests use 0 to exercise the kernels' scan path).
 ListSizes SizeLists(int64_t length, int block, int64_t num_slices) {
   const int64_t nb = (length + block - 1) / block;
@@ -124,9 +149,14 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
 
+  const bool sm90_only = dims->d == kSm90OnlyHeadDim;
+  if (sm90_only) {
+    if (auto err = CheckSm90ForHeadDim(dims->d); err.failure()) return err;
+  }
+
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
   const ListSizes q_sizes = SizeLists(dims->tq, kQBlock, dims->num_slices);
-  const bool sm90 = ForwardKernel() == FwdKernel::kSm90;
+  const bool sm90 = sm90_only || ForwardKernel() == FwdKernel::kSm90;
   const size_t sm90_bytes = sm90 ? Carver::Round(FwdSm90ScratchInts(dims->tq) * 4) : 0;
   auto carver_or = Carver::Allocate(scratch, q_sizes.Bytes() + sm90_bytes);
   if (!carver_or.has_value())
@@ -151,17 +181,29 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.hkv = int(dims->hkv);
   p.scale = softmax_scale;
   p.softcap = softcap;
-  return DispatchTypeAndDim(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
+  return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    if (sm90) {
-      // cudaErrorNotSupported: nothing enqueued, the inputs do not suit TMA; the mma.sync kernel runs.
+    if constexpr (D == kSm90OnlyHeadDim) {
+      // No mma.sync fallback: inputs TMA cannot take (a pointer not 16-byte aligned, no tensor-map entry
+      // point in the driver) are an error.
       const cudaError_t err = LaunchFwdSm90<T, D>(p, sm90_scratch, stream);
-      if (err == cudaSuccess) return ffi::Error::Success();
-      if (err != cudaErrorNotSupported) return CudaFailure("forward (sm90)", err);
+      if (err == cudaErrorNotSupported)
+        return ffi::Error::InvalidArgument(
+            "q: head_dim 256 runs on the sm90 (TMA) forward only, which needs q, k, v and out 16-byte aligned "
+            "and a driver with cuTensorMapEncodeTiled");
+      if (err != cudaSuccess) return CudaFailure("forward (sm90)", err);
+      return ffi::Error::Success();
+    } else {
+      if (sm90) {
+        // cudaErrorNotSupported: nothing enqueued, the inputs do not suit TMA; the mma.sync kernel runs.
+        const cudaError_t err = LaunchFwdSm90<T, D>(p, sm90_scratch, stream);
+        if (err == cudaSuccess) return ffi::Error::Success();
+        if (err != cudaErrorNotSupported) return CudaFailure("forward (sm90)", err);
+      }
+      if (cudaError_t err = LaunchFwd<T, D>(p, stream); err != cudaSuccess) return CudaFailure("forward", err);
+      return ffi::Error::Success();
     }
-    if (cudaError_t err = LaunchFwd<T, D>(p, stream); err != cudaSuccess) return CudaFailure("forward", err);
-    return ffi::Error::Success();
   });
 }
 
@@ -179,6 +221,11 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (auto err = CheckSameShape("dk", *dk, k); err.failure()) return err;
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
+  // Before any allocation or kernel: the head_dim 256 backward is future work (the forward runs, FfaFwdImpl).
+  if (dims->d == kSm90OnlyHeadDim)
+    return ffi::Error::InvalidArgument(
+        "q: head_dim 256 has no CUDA backward yet (the forward is supported; gradients need head_dim 64 or 128 "
+        "on the GPU)");
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
   const bool sm90 = ForwardKernel() == FwdKernel::kSm90;

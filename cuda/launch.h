@@ -23,7 +23,7 @@ cudaError_t LaunchBwdDq(const BwdParams& p, cudaStream_t stream);
 // The sm90 forward (TMA + wgmma, warp-specialised, persistent longest-first; launch_fwd_sm90.cu). scratch:
 // FwdSm90ScratchInts(tq) int32 of device memory. Returns cudaErrorNotSupported, having enqueued nothing,
 // when the inputs do not suit TMA (unaligned pointers, no keys, no tensor-map entry point): the caller then
-// runs LaunchFwd.
+// runs LaunchFwd. D 256 (instantiated here only: LaunchFwd has no D 256) takes inputs without keys too.
 int64_t FwdSm90ScratchInts(int64_t tq);
 template <typename T, int D>
 cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t stream);

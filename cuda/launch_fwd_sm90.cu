@@ -1,6 +1,6 @@
 // The sm90 forward's launcher: tensor maps (built here on the host from device pointers and static shapes:
 // no synchronisation), the longest-first tile order (two small kernels), the persistent grid, and the
-// instantiations (bf16, fp16) x (D 64, 128).
+// instantiations (bf16, fp16) x (D 64, 128, 256).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -93,13 +93,20 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   if (num_blocks == 0 || p.hq == 0) return cudaSuccess;
   // What TMA needs; anything else is left to the mma.sync kernel (nothing has been enqueued yet).
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
-  if (encode == nullptr || p.slices.tk == 0 || !Aligned16(p.q) || !Aligned16(p.k) || !Aligned16(p.v) ||
-      !Aligned16(p.out))
+  // No keys: D 64 / 128 leave it to the mma.sync kernel; D 256 has no other kernel, so its K and V maps are
+  // made over q instead (never read: with no keys every slice's key span is empty, the walks have no step,
+  // and the epilogue writes O = 0, lse = -inf).
+  const bool no_keys = p.slices.tk == 0;
+  if (encode == nullptr || (no_keys && D != 256) || !Aligned16(p.q) || (!no_keys && !Aligned16(p.k)) ||
+      (!no_keys && !Aligned16(p.v)) || !Aligned16(p.out))
     return cudaErrorNotSupported;
+  const void* k_base = no_keys ? p.q : p.k;
+  const void* v_base = no_keys ? p.q : p.v;
+  const int kv_rows = no_keys ? p.slices.tq : p.slices.tk, kv_heads = no_keys ? p.hq : p.hkv;
   FwdSm90Params sp{};
   if (!EncodeMap<T>(encode, &sp.q_map, p.q, p.slices.tq, p.hq, D, Tile::kBlockM) ||
-      !EncodeMap<T>(encode, &sp.k_map, p.k, p.slices.tk, p.hkv, D, Tile::kBlockN) ||
-      !EncodeMap<T>(encode, &sp.v_map, p.v, p.slices.tk, p.hkv, D, Tile::kBlockN) ||
+      !EncodeMap<T>(encode, &sp.k_map, k_base, kv_rows, kv_heads, D, Tile::kBlockN) ||
+      !EncodeMap<T>(encode, &sp.v_map, v_base, kv_rows, kv_heads, D, Tile::kBlockN) ||
       !EncodeMap<T>(encode, &sp.out_map, p.out, p.slices.tq, p.hq, D, Tile::kRowsPerWarpgroup))
     return cudaErrorNotSupported;
   int device = 0, sms = 0;
@@ -137,5 +144,8 @@ template cudaError_t LaunchFwdSm90<__nv_bfloat16, 64>(const FwdParams&, int32_t*
 template cudaError_t LaunchFwdSm90<__nv_bfloat16, 128>(const FwdParams&, int32_t*, cudaStream_t);
 template cudaError_t LaunchFwdSm90<__half, 64>(const FwdParams&, int32_t*, cudaStream_t);
 template cudaError_t LaunchFwdSm90<__half, 128>(const FwdParams&, int32_t*, cudaStream_t);
+// Head dim 256: the only CUDA forward for it (the mma.sync kernel has none; handlers.cu).
+template cudaError_t LaunchFwdSm90<__nv_bfloat16, 256>(const FwdParams&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__half, 256>(const FwdParams&, int32_t*, cudaStream_t);
 
 }  // namespace magi_jax::cuda

@@ -13,15 +13,33 @@
 
 namespace magi_jax::cuda {
 
+//
+// Head dim 256 (FA3's hopper/ choice for it: 128 x 80, P V from registers, intra-warpgroup overlap on):
+// key tiles of 80 (S is 64 x 80 per warpgroup: wgmma N 80; O += P V is N 256 in five k16 steps), one Q
+// buffer (64 KB), K and V 2 stages x 40 KB each: 229,376 B of tiles. No room for a separate O staging
+// buffer (64 KB): each consumer warpgroup stages its 64 output rows in its own 64 rows of the Q buffer
+// (kOInQ), which it stops reading once its last S has landed; the Q buffer is then released (q_empty) only
+// after the TMA store has read it, so the next tile's Q load waits for both epilogues. Registers per
+// consumer thread: O 64 x 256 fp32 = 128, S 40, P (packed) 20 while PV(j-1) runs under the softmax of
+// S(j): 188 + the walk, masks and descriptors, within the 232 of setmaxnreg.
 template <int D>
 struct FwdSm90Tile {
   static constexpr int kBlockM = 128;  // = kQBlock: the q-block slice lists serve both forward kernels
-  static constexpr int kBlockN = 128;
+  static constexpr int kBlockN = D <= 128 ? 128 : 80;
   static constexpr int kStages = D <= 64 ? 4 : 2;
   // Two Q buffers: the producer loads the next tile's Q while this tile's mainloop runs (with one, the load
   // could only start once both warpgroups had issued this tile's last S, and its latency showed at every
-  // tile start: a per-tile cost that weighs most on short walks, varlen and sliding windows).
-  static constexpr int kQStages = 2;
+  // tile start: a per-tile cost that weighs most on short walks, varlen and sliding windows). D 256: one.
+  static constexpr int kQStages = D <= 128 ? 2 : 1;
+  // The output is staged in the Q buffer (D 256, above) instead of a buffer of its own.
+  static constexpr bool kOInQ = D > 128;
+  // The inter-warpgroup ping-pong (flash_fwd_sm90_kernel.h; the kernel's kPingPong switches it off for all).
+  static constexpr bool kPingPong = true;
+  // The intra-warpgroup overlap (the softmax of S(j) under the PV wgmma of step j - 1): S(j) and P(j - 1)
+  // live at once. D 256: off (O 128 + S 40 + P 20 registers spilled 232 bytes at 232 per thread, still
+  // 56 with key tiles of 64); the ping-pong alone hides the softmax there, as each warpgroup's GEMMs per
+  // step take about twice as long as its softmax.
+  static constexpr bool kIntraWgOverlap = D <= 128;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -33,18 +51,26 @@ struct FwdSm90Tile {
 
   static constexpr uint32_t kQBytes = kBlockM * D * 2;
   static constexpr uint32_t kKvBytes = kBlockN * D * 2;  // one K or V tile
-  static constexpr uint32_t kOBytes = kBlockM * D * 2;   // output staging, kRowsPerWarpgroup rows per consumer
+  static constexpr uint32_t kOBytes = kOInQ ? 0 : kBlockM * D * 2;  // output staging (kOInQ: none of its own)
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kKvBytes;
-  static constexpr uint32_t kOOffset = kVOffset + kStages * kKvBytes;
-  static constexpr uint32_t kBarOffset = kOOffset + kOBytes;
+  static constexpr uint32_t kOOffset = kOInQ ? kQOffset : kVOffset + kStages * kKvBytes;
+  static constexpr uint32_t kBarOffset = kVOffset + kStages * kKvBytes + kOBytes;
+  // The output staging of consumer warpgroup cw starts at kOOffset + cw * kOWgBytes, its 64-column chunks
+  // kOChunkBytes apart ([rows][64], 128B swizzle, as the out map's box): a buffer of its own is
+  // [warpgroup][chunk][64 rows][64]; in the Q buffer ([chunk][128 rows][64]) the warpgroup's own Q rows.
+  static constexpr int kOWgBytes = kOInQ ? kRowsPerWarpgroup * 128 : kRowsPerWarpgroup * D * 2;
+  static constexpr int kOChunkBytes = kOInQ ? kBlockM * 128 : kRowsPerWarpgroup * 128;
   static constexpr uint32_t kBarBytes = 256;
   // + 1024 so that the kernel can align the dynamic buffer to the 1024 bytes the swizzle atoms need.
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
 
   static_assert(kBlockM == kQBlock, "the forward kernels share the q-block slice lists");
   static_assert(D % 64 == 0, "tiles are loaded in 64-column chunks");
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "O += P V takes k16 steps; S is one wgmma N");
+  static_assert((kBlockN * 128) % 1024 == 0 && kKvBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+  static_assert(!kOInQ || kQStages == 1, "the Q buffer doubles as O staging only when there is one");
   static_assert(kSmemBytes <= 227 * 1024, "fits one CTA per SM");
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
 };

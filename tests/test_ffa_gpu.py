@@ -244,3 +244,73 @@ def test_one_million_tokens_varlen_causal_forward_backward():
     for name, got, r, l in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref,
                                (*lp, *lp_vjp((part(dout), zeros)))):
         assert_within_rule(name, part(got), r, l)
+
+
+# ------------------------------------------------------------------------------------------ head dim 256
+# The forward only (cuda/handlers.cu): D 256 always runs the sm90 forward (TMA + wgmma, key tiles of 80, no
+# intra-warpgroup overlap), whatever MAGI_JAX_FFA_KERNEL says; its backward is refused with an error naming
+# head_dim. grads=False: out and lse against the float64 reference. Collected again, unchanged, under
+# MAGI_JAX_FFA_KERNEL=sm90 by tests/test_ffa_sm90_gpu.py.
+
+@pytest.mark.parametrize("mask_type", TYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_256_each_type_alone(mask_type, dtype):
+    # Unaligned ranges inside larger tensors: partial q blocks and key tiles of 80 on every edge.
+    mask = AttnMask([[5, 350]], [[20, 530]], [mask_type], 360, 545)
+    run_case(mask, d=256, dtype=dtype, seed=256, grads=False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_256_varlen_causal_documents(dtype):
+    # Several documents, q blocks straddling document edges; 8 heads x 23 q blocks = 184 tiles: more than the
+    # SMs, so CTAs take second tiles (the Q buffer, which also stages O at D 256, is reused).
+    run_case(masks.varlen_causal([1500, 333, 91, 700, 300]), hq=8, hkv=8, d=256, dtype=dtype, seed=7,
+             grads=False)
+
+
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (8, 1)])
+def test_head_dim_256_gqa_and_mqa(hq, hkv):
+    run_case(masks.varlen_causal([200, 333, 91]), hq=hq, hkv=hkv, d=256, seed=hq + hkv, grads=False)
+
+
+def test_head_dim_256_mixed_types_and_overlapping_q_ranges():
+    mask = AttnMask([[0, 300], [120, 540], [180, 210], [450, 600], [0, 600], [200, 600]],
+                    [[0, 390], [30, 600], [0, 150], [300, 480], [270, 285], [0, 600]],
+                    [0, 1, 2, 3, 1, 0], 600, 600)
+    run_case(mask, hq=4, hkv=2, d=256, seed=3, grads=False)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_256_softcap_and_scale(dtype):
+    run_case(masks.sliding_window([300, 400], 150), d=256, dtype=dtype, softcap=5.0, softmax_scale=0.2,
+             grads=False)
+    run_case(masks.varlen_causal([333, 200]), d=256, dtype=dtype, softcap=2.0, seed=1, grads=False)
+
+
+@pytest.mark.parametrize("tq, tk", [(700, 260), (260, 700)])
+def test_head_dim_256_tq_differs_from_tk(tq, tk):
+    run_case(AttnMask([[0, tq]], [[0, tk]], ["causal"], tq, tk), d=256, grads=False)
+
+
+def test_head_dim_256_rows_and_keys_with_nothing():
+    # Empty rows (O = 0, lse = -inf, checked by the rule), keys nobody attends, and an empty mask.
+    mask = AttnMask([[100, 300], [380, 700]], [[0, 200], [600, 700]], [0, 1], 700, 700)
+    run_case(mask, hq=4, hkv=2, d=256, seed=5, grads=False)
+    run_case(AttnMask(np.zeros((0, 2), int), np.zeros((0, 2), int), [], 200, 300), d=256, grads=False)
+
+
+def test_head_dim_256_backward_is_refused_by_name():
+    mask = masks.varlen_causal([300, 200])
+    rng = np.random.default_rng(8)
+    q, k, v = random_qkv(rng, 500, 500, 2, 2, 256, jnp.bfloat16)
+    qr, kr, types = mask.kernel_args()
+
+    def loss(q, k, v):
+        out, _ = mj.flex_flash_attn(q, k, v, qr, kr, types)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with pytest.raises(Exception, match="head_dim 256"):
+        jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    # The forward alone still works in the same process.
+    out, lse = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, qr, kr, types))(q, k, v)
+    assert bool(jnp.isfinite(out.astype(jnp.float32)).all()) and bool(jnp.isfinite(lse).all())

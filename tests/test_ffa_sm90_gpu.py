@@ -68,6 +68,21 @@ def test_smoke_sm90_forward_matches_mma_sync(d):
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=2e-2)
 
 
+def test_smoke_head_dim_256_forward():
+    # D 256 has no mma.sync kernel to agree with: the float64 reference. The smoke mask (two slices, one
+    # causal, unaligned edges, GQA), forward only (its backward is refused).
+    mask = AttnMask([[0, 300], [100, 333]], [[0, 300], [250, 400]], [1, 0], 333, 400)
+    run_case(mask, hq=4, hkv=2, d=256, seed=256, grads=False)
+
+
+@pytest.mark.parametrize("sched", ["lpt", "natural", "grid"])
+def test_head_dim_256_persistent_grid(sched, monkeypatch):
+    # 6000 tokens x 8 heads = 376 tiles over ~132 CTAs: later tiles reuse the Q buffer that stages O at D 256
+    # (released only after both epilogues' stores have read it).
+    monkeypatch.setenv("MAGI_JAX_SM90_SCHED", sched)
+    run_case(masks.varlen_causal([3000, 300, 1500, 1200]), hq=8, hkv=2, d=256, grads=False, seed=12)
+
+
 @pytest.mark.parametrize("sched", ["lpt", "natural", "grid"])
 def test_persistent_grid_many_tiles_varlen_causal(sched, monkeypatch):
     # 16k tokens x 8 heads = 1024 tiles over ~132 CTAs, documents of very different lengths (uneven work);

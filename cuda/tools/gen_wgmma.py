@@ -2,12 +2,14 @@
 
     python cuda/tools/gen_wgmma.py > cuda/sm90_wgmma.h
 
-Each N gets two entry points: SS (A and B from shared-memory descriptors, transposes as immediates) and RS
-(A from four 32-bit registers, B from a descriptor, transpose-B immediate). The accumulator is float[N/8][4]
+Each N gets three entry points: SS (A and B from shared-memory descriptors, transposes as immediates),
+SSZero (SS overwriting d, write-only operands) and RS (A from four 32-bit registers, B from a descriptor,
+transpose-B immediate). The accumulator is float[N/8][4]
 in the register order of the PTX ISA (d[4i + e] = acc[i][e]), i.e. the mma.sync m16n8 C layout per 8 columns.
 """
 
-NS = (64, 128)
+# N 80: the S tile of head dim 256 (key tiles of 80); N 256: its O += P V (RS).
+NS = (64, 80, 128, 256)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 
