@@ -256,8 +256,13 @@ def cast_tables(transfers: StageTransfers, transport: str = "auto") -> CastTable
 # ---------------------------------------------------------------------------------------------------------
 # The collectives. Called inside a shard_map (or any context binding ``axis``) on every rank.
 
-def _transport(bufs: tuple, tables: CastTables, axis: str, reverse: bool) -> tuple:
-    """Moves the send buffers (forward) or returns partials to their senders (reverse)."""
+def _transport(bufs: tuple, tables: CastTables, axis: str, reverse: bool, stack: bool = False) -> tuple:
+    """Moves the send buffers (forward) or returns partials to their senders (reverse). ``stack``: arrays of
+    one shape and dtype travel stacked in one collective per block instead of one each (XLA runs one
+    collective at a time, so separate ones serialise), at the price of a stack and an unstack copy."""
+    if stack and len(bufs) > 1 and len({(b.shape, b.dtype) for b in bufs}) == 1:
+        stacked = _transport((jnp.stack(bufs, axis=1),), tables, axis, reverse)[0]
+        return tuple(stacked[:, i] for i in range(len(bufs)))
     cp = tables.cp
     if tables.transport == "all_to_all":
         m = bufs[0].shape[0] // cp
@@ -278,22 +283,24 @@ def _transport(bufs: tuple, tables: CastTables, axis: str, reverse: bool) -> tup
     return tuple(out)
 
 
-def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str) -> tuple[jax.Array, ...]:
+def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str, stack: bool = False
+               ) -> tuple[jax.Array, ...]:
     """Every rank sends the ranges of its local arrays xs [local_len, ...] that the stage's table lists, and
     receives its buffers [tables.buffer_len, ...] (layout in the module docstring; rows no transfer fills
-    are zero). One range_gather for all arrays, then one transport per array."""
+    are zero). One range_gather for all arrays, then one transport per array (``stack``: one for all)."""
     r = jax.lax.axis_index(axis)
     ranges = jnp.asarray(tables.send_ranges)[r]
     send = range_gather(xs, ranges, tables.buffer_len)
-    return _transport(send, tables, axis, reverse=False)
+    return _transport(send, tables, axis, reverse=False, stack=stack)
 
 
-def return_partials(ys: Sequence[jax.Array], tables: CastTables, axis: str, wire_dtype=None
-                    ) -> tuple[jax.Array, ...]:
+def return_partials(ys: Sequence[jax.Array], tables: CastTables, axis: str, wire_dtype=None,
+                    stack: bool = False) -> tuple[jax.Array, ...]:
     """group_reduce's transport alone: partials over the receive buffer go back to the ranks that sent
-    those rows, arriving in the layout of their send buffers (cast to ``wire_dtype`` first, if given)."""
+    those rows, arriving in the layout of their send buffers (cast to ``wire_dtype`` first, if given;
+    ``stack``: one collective for all arrays)."""
     ys = tuple(y if wire_dtype is None else y.astype(wire_dtype) for y in ys)
-    return _transport(ys, tables, axis, reverse=True)
+    return _transport(ys, tables, axis, reverse=True, stack=stack)
 
 
 def accumulate_partials(back: Sequence[jax.Array], tables: CastTables, axis: str, out_len: int | None = None,
@@ -306,8 +313,8 @@ def accumulate_partials(back: Sequence[jax.Array], tables: CastTables, axis: str
 
 
 def group_reduce(ys: Sequence[jax.Array], tables: CastTables, axis: str, out_len: int | None = None,
-                 out_dtype=jnp.float32, wire_dtype=None, init: Sequence[jax.Array] | None = None
-                 ) -> tuple[jax.Array, ...]:
+                 out_dtype=jnp.float32, wire_dtype=None, init: Sequence[jax.Array] | None = None,
+                 stack: bool = False) -> tuple[jax.Array, ...]:
     """The transpose of group_cast: partials ys [tables.buffer_len, ...] over each rank's receive buffer
     go back to the ranks that sent those rows and are summed there into [out_len, ...] arrays of
     ``out_dtype`` (float32 by default; the sum is always taken in float32), or added in place to ``init``

@@ -325,6 +325,7 @@ class _Config:
     deterministic: bool
     wire_dtype: str | None
     backward: str
+    stack_transfers: bool
 
     @property
     def tables(self) -> RunTables:
@@ -368,7 +369,7 @@ def _merge(parts, dtype):
 def _forward(q, k, v, cfg: _Config):
     tabs, r = cfg.tables, _rank(cfg)
     axis = cfg.plan.axis
-    recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
+    recv = [group_cast((k, v), st.tables, axis, cfg.stack_transfers) for st in tabs.stages]
     if cfg.plan.overlap_degree == 0 and recv:
         return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
     parts = [_fwd_call(cfg, q, k, v, tabs.host, r)]
@@ -409,14 +410,14 @@ def _backward_body(cfg: _Config, res, cts):
         return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
     # The re-fetch is the forward's group_cast again: in one jitted module XLA merges the two, so the
     # forward's receive buffers are reused rather than fetched twice.
-    recv = [group_cast((k, v), st.tables, axis) for st in tabs.stages]
+    recv = [group_cast((k, v), st.tables, axis, cfg.stack_transfers) for st in tabs.stages]
     tables = [st.tables for st in tabs.stages]
     if cfg.backward == "fused" or cfg.plan.overlap_degree == 0:
         # One call over concat(local, every receive buffer): one preprocess, one dQ accumulator and one
         # kernel tail instead of one per stage; the partials then travel back (not overlapped).
         dq, dkk, dvv = _bwd_call(cfg, q, *_concat_kv(k, v, recv), out, dout, lse, dlse, tabs.fused, r)
         ends = np.cumsum([L] + [t.buffer_len for t in tables])
-        backs = [return_partials((dkk[a:b], dvv[a:b]), t, axis, wire)
+        backs = [return_partials((dkk[a:b], dvv[a:b]), t, axis, wire, cfg.stack_transfers)
                  for t, a, b in zip(tables, ends[:-1], ends[1:])]
         dk, dv = _add_partials(backs, tables, axis, (dkk[:L], dvv[:L]))
         return dq, dk, dv
@@ -425,7 +426,7 @@ def _backward_body(cfg: _Config, res, cts):
     dq, backs = None, []
     for st, (rk, rv) in zip(tabs.stages, recv):
         dq_i, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r)
-        backs.append(return_partials((dk_i, dv_i), st.tables, axis, wire))
+        backs.append(return_partials((dk_i, dv_i), st.tables, axis, wire, cfg.stack_transfers))
         dq = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)
     dq_h, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
     dk, dv = _add_partials(backs, tables, axis, (dk_h, dv_h))
@@ -449,7 +450,7 @@ BACKWARDS = ("fused", "staged")
 
 
 def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype,
-            backward) -> _Config:
+            backward, stack_transfers) -> _Config:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     if backward not in BACKWARDS:
@@ -458,13 +459,14 @@ def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministi
         raise ValueError(f"softcap: must be >= 0, got {softcap}")
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
-    return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire, backward)
+    return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire, backward,
+                   bool(stack_transfers))
 
 
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
-                    transport: str = "auto", reduce_wire_dtype=None, backward: str = "fused"
-                    ) -> tuple[jax.Array, jax.Array]:
+                    transport: str = "auto", reduce_wire_dtype=None, backward: str = "fused",
+                    stack_transfers: bool = False) -> tuple[jax.Array, jax.Array]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
 
     q [L, Hq, D], k/v [L, Hkv, D]: this rank's local buffers (L = plan.local_len), or with one leading batch
@@ -474,7 +476,10 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "fused" (default: one FFA
     backward call over the local and all fetched keys, then the partials travel back) or "staged" (one call
     per stage, each stage's partials travelling back under the next call; more calls, each with its own
-    preprocess and dQ pass: measured slower on 2 H200s, BENCHMARKS.md); the rest as flex_flash_attn.
+    preprocess and dQ pass: measured slower on 2 H200s, BENCHMARKS.md); ``stack_transfers``: K and V (dK and
+    dV partials) travel stacked in one collective per stage instead of one each (XLA keeps one collective
+    in flight, so the second of two runs synchronously), at the price of a stack and an unstack copy (not
+    yet measured on GPUs); the rest as flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -486,7 +491,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
         raise ValueError(f"q, k, v: batch dims differ: {q.shape}, {k.shape}, {v.shape}")
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
-                  backward)
+                  backward, stack_transfers)
     if q.ndim == 3:
         return _attn(q, k, v, cfg)
     outs = [_attn(q[b], k[b], v[b], cfg) for b in range(q.shape[0])]
@@ -503,7 +508,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
     replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype, backward)."""
+    reduce_wire_dtype, backward, stack_transfers)."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
     for name, x in (("q", q), ("k", k), ("v", v)):
