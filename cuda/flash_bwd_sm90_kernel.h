@@ -46,7 +46,7 @@ struct BwdSm90Params {
   CUtensorMap q_map, do_map;    // [Tq, Hq, D] as (D, Hq, Tq), boxes (64, 1, kBlockM)
   CUtensorMap k_map, v_map;     // [Tk, Hkv, D], boxes (64, 1, kBlockN)
   CUtensorMap dk_map, dv_map;   // [Tk, Hkv, D], boxes (64, 1, kKeysPerWarpgroup)
-  CUtensorMap dq_map;           // dq_accum [Tq, Hq, D] fp32 as (32, D / 32, Hq, Tq), boxes (32, 2, 1, kBlockM)
+  CUtensorMap dq_map;           // dq_accum [Tq, Hq, D] fp32 as (32, D / 32, Hq, Tq), boxes (32, kDqBoxCols / 32, 1, kBlockM)
   BwdParams base;
 };
 
@@ -112,6 +112,259 @@ struct BwdSm90Region {
   static_assert(sizeof(BwdSm90Barriers<kStages>) <= kStepOffset, "mbarriers fit before the steps");
 };
 
+// ------------------------------------------------------------------------------------ head dim 256 (kSplitD)
+// The consumers of BwdSm90Tile<256> (tile_size_sm90.h): the CTA owns 64 keys; consumer warpgroup cw computes
+// S^T, dP^T for rows [32 cw, 32 cw + 32) of the step's 64 (wgmma N 32, all 64 keys, the full D contraction),
+// the mask, P^T and dS^T, and writes both (bf16, [64 keys][64 rows], 128-byte swizzle) into shared memory;
+// after a barrier of both warpgroups it accumulates dV, dK for all 64 keys x its columns [128 cw, 128 cw + 128)
+// (SS, A = P^T / dS^T K-major, B = dO / Q MN-major, N 128) and computes dQ = dS K for the 64 rows x its 128
+// columns (A = dS^T MN-major, B = K MN-major, N 128), drained as four 64 x 32 fp32 boxes through its 8 KB
+// staging buffer and TMA reduce-adds. Per step and warpgroup (nothing in flight across steps):
+//   row_full wait | S^T, dP^T (two commit groups) | wait<1>: mask, P^T | wait<0>: dS^T | barrier 5 (the last
+//   step's readers of P^T / dS^T are done) | P^T, dS^T -> smem, fence | barrier 1 | dV, dK | dQ | wait<1>:
+//   release the Q / dO stage | wait<0> | drain dQ
+// Registers per thread: dK, dV 64 + 64; S^T, dP^T 16 + 16; dQ 64 (S^T / dP^T dead by then): peak 192.
+// Named barriers: 1 and 5 (both consumer warpgroups), 3 + cw (the warpgroup's dQ staging), 2 (epilogue).
+// Thread (g, t) of warp w stores row r = 16 w + 8 half + g, columns 8 i + 2 t (+1) of a 64 x 32 fp32 box in
+// the 128-byte swizzle (128-byte lines, one per row, 16-byte units XOR-ed by r & 7 = g): two wavefronts a
+// warp store, the minimum for 256 bytes.
+MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const float (&dq)[16][4], int j,
+                           float scale) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 16 * wwarp + 8 * half + g;
+      const uint32_t addr = SmemAddr(buf) + uint32_t(r) * 128u + (uint32_t((2 * i + (t >> 1)) ^ g) << 4) + 8u * (t & 1);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(dq[4 * j + i][2 * half] * scale),
+                   "f"(dq[4 * j + i][2 * half + 1] * scale)
+                   : "memory");
+    }
+}
+
+template <typename T, int D, bool kDq>
+MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, int kb, int hk, int cw) {
+  using Tile = BwdSm90Tile<D>;
+  constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
+  constexpr int kHalfM = BM / 2, kHalfD = D / 2, DT = kHalfD / 8, NT = kHalfM / 8;
+  static_assert(BN == 64 && BM == 64 && D == 256, "the split-D consumer is written for 64 keys, 64 rows, D 256");
+  static_assert(Tile::kDqBoxCols == 32, "dQ leaves in boxes of 32 columns");
+  using Region = BwdSm90Region<kStages>;
+  unsigned char* sk = smem + Tile::kKOffset;
+  unsigned char* sv = smem + Tile::kVOffset;
+  unsigned char* sq = smem + Tile::kQOffset;
+  unsigned char* sdo = smem + Tile::kDoOffset;
+  const float* slse = reinterpret_cast<const float*>(smem + Tile::kLseOffset);
+  const float* sdelta = reinterpret_cast<const float*>(smem + Tile::kDeltaOffset);
+  unsigned char* sp = smem + Tile::kDsOffset;                    // P^T [64 keys][64 rows]
+  unsigned char* sds = smem + Tile::kDsOffset + Tile::kDsBytes;  // dS^T [64 keys][64 rows]
+  unsigned char* dq_buf = smem + Tile::kDqOffset + cw * Tile::kDqBytes;
+  auto& bars = *reinterpret_cast<BwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
+  BwdSm90Step* steps = reinterpret_cast<BwdSm90Step*>(smem + Tile::kBarOffset + Region::kStepOffset);
+  const BwdParams& bp = p.base;
+  const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
+  const bool softcap = bp.softcap > 0.0f;
+  const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
+  const int64_t c0 = int64_t(kb) * BN;  // the CTA's first key
+
+  // S^T = K Q^T, dP^T = V dO^T: A = K / V (all 64 keys, K-major), B = the warpgroup's 32 rows of the Q / dO
+  // stage (K-major; 32 rows = 4 KB, swizzle-atom aligned).
+  const uint64_t desc_k = SmemDesc128B(sk, 16), desc_v = SmemDesc128B(sv, 16);
+  const uint64_t desc_q_k = SmemDesc128B(sq + cw * (kHalfM * 128), 16);
+  const uint64_t desc_do_k = SmemDesc128B(sdo + cw * (kHalfM * 128), 16);
+  // dV += P^T dO, dK += dS^T Q: A K-major ([keys][rows]), B = the warpgroup's two 64-column chunks of the
+  // stage, MN-major (LBO = the chunk stride).
+  const uint64_t desc_p = SmemDesc128B(sp, 16), desc_ds = SmemDesc128B(sds, 16);
+  const uint64_t desc_do_mn = SmemDesc128B(sdo + 2 * cw * (BM * 128), BM * 128);
+  const uint64_t desc_q_mn = SmemDesc128B(sq + 2 * cw * (BM * 128), BM * 128);
+  // dQ = dS K: A = dS^T MN-major, B = K's two 64-column chunks of the warpgroup, MN-major.
+  const uint64_t desc_ds_mn = SmemDesc128B(sds, 64 * 128);
+  const uint64_t desc_k_mn = SmemDesc128B(sk + 2 * cw * (BN * 128), BN * 128);
+
+  float dk[DT][4], dv[DT][4];
+#pragma unroll
+  for (int di = 0; di < DT; ++di)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[di][e] = dv[di][e] = 0.0f;
+
+  MbarWait(&bars.kv_full, 0);
+  PipeState<kStages> ps;
+  for (;;) {
+    MbarWait(&bars.row_full[ps.stage], ps.phase);
+    int rb, head, flags;
+    {
+      uint32_t r, h, f, ty;  // {first row, q head, flags, type}; lane 0's values, broadcast
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(r), "=r"(h), "=r"(f), "=r"(ty)
+                   : "r"(SmemAddr(&steps[ps.stage]))
+                   : "memory");
+      rb = __shfl_sync(0xffffffffu, int(r), 0);
+      head = __shfl_sync(0xffffffffu, int(h), 0);
+      flags = __shfl_sync(0xffffffffu, int(f), 0);  // uniform: the wgmmas below must not look divergent
+    }
+    if (flags & kStepEnd) break;
+    const uint32_t stage_off = ps.stage * Tile::kRowBytes;
+    float s[1][NT][4], dp[1][NT][4];
+    {
+      const uint64_t dq_k = DescAdd(desc_q_k, stage_off), ddo_k = DescAdd(desc_do_k, stage_off);
+      WgmmaFence();
+      Wgmma<T, kHalfM>::template SSZero<0, 0>(s[0], desc_k, dq_k);
+#pragma unroll
+      for (int kk = 1; kk < D / 16; ++kk) {
+        const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+        Wgmma<T, kHalfM>::template SS<0, 0>(s[0], DescAdd(desc_k, off_a), DescAdd(dq_k, off_b), 1);
+      }
+      WgmmaCommit();
+      Wgmma<T, kHalfM>::template SSZero<0, 0>(dp[0], desc_v, ddo_k);
+#pragma unroll
+      for (int kk = 1; kk < D / 16; ++kk) {
+        const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+        Wgmma<T, kHalfM>::template SS<0, 0>(dp[0], DescAdd(desc_v, off_a), DescAdd(ddo_k, off_b), 1);
+      }
+      WgmmaCommit();
+    }
+    const int row0 = cw * kHalfM;  // the warpgroup's first row of the step's 64
+    const float* lse_s = slse + ps.stage * BM + row0;
+    const float* delta_s = sdelta + ps.stage * BM + row0;
+    WgmmaWait<1>();  // S^T has landed, dP^T still runs
+    FenceRegs(s[0]);
+    if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
+    {
+      const BwdSm90Step& info = steps[ps.stage];
+      Slice sl;
+      sl.qs = info.qs;
+      sl.qe = info.qe;
+      sl.ks = info.ks;
+      sl.ke = info.ke;
+      sl.type = info.type;
+      const bool interior = __shfl_sync(0xffffffffu, int(KeyTileInterior(sl, c0, BN, rb + row0, kHalfM)), 0) != 0;
+      if (!interior) {
+        const int64_t key = c0 + wwarp * 16 + g;  // this thread's keys: key, key + 8
+        int klo[2], khi[2];
+        KeyInterval(sl, key, &klo[0], &khi[0]);
+        KeyInterval(sl, key + 8, &klo[1], &khi[1]);
+        MaskRows<1, NT>(s, klo, khi, rb + row0, t);
+      }
+    }
+    if (!softcap) {
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[0][ni][e] = Exp2(s[0][ni][e] * scale_log2 - ((e & 1) ? l2.y : l2.x));
+      }
+    }
+    WgmmaWait<0>();  // dP^T has landed
+    FenceRegs(dp[0]);
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) {
+      const float2 dl = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
+      if (softcap) {
+        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float x = s[0][ni][e];
+          const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
+          const float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+          const float th = x / bp.softcap;
+          s[0][ni][e] = prob;
+          dp[0][ni][e] = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dp[0][ni][e] = s[0][ni][e] * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+      }
+    }
+    // Both warpgroups have retired the last step's wgmmas (wait<0> below): P^T / dS^T may be rewritten.
+    NamedBarrierSync(5, Tile::kConsumerThreads);
+    {
+      const int kr = wwarp * 16 + g;
+#pragma unroll
+      for (int ni = 0; ni < NT; ++ni) {
+        const int col = row0 + ni * 8 + 2 * t;
+        *reinterpret_cast<uint32_t*>(sp + Swizzle128B(kr, col)) = Elem<T>::Pack(s[0][ni][0], s[0][ni][1]);
+        *reinterpret_cast<uint32_t*>(sp + Swizzle128B(kr + 8, col)) = Elem<T>::Pack(s[0][ni][2], s[0][ni][3]);
+        *reinterpret_cast<uint32_t*>(sds + Swizzle128B(kr, col)) = Elem<T>::Pack(dp[0][ni][0], dp[0][ni][1]);
+        *reinterpret_cast<uint32_t*>(sds + Swizzle128B(kr + 8, col)) = Elem<T>::Pack(dp[0][ni][2], dp[0][ni][3]);
+      }
+    }
+    FenceProxyAsyncShared();
+    NamedBarrierSync(1, Tile::kConsumerThreads);  // both warpgroups' rows of P^T, dS^T are in place
+    float dq[DT][4];
+    {
+      const uint64_t ddo_mn = DescAdd(desc_do_mn, stage_off), dq_mn = DescAdd(desc_q_mn, stage_off);
+      FenceRegs(dv);
+      FenceRegs(dk);
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<T, kHalfD>::template SS<0, 1>(dv, DescAdd(desc_p, kk * 32), DescAdd(ddo_mn, kk * 2048), 1);
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<T, kHalfD>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
+      WgmmaCommit();
+      if constexpr (kDq) {
+        Wgmma<T, kHalfD>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
+#pragma unroll
+        for (int kk = 1; kk < BN / 16; ++kk)
+          Wgmma<T, kHalfD>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+        WgmmaCommit();
+        WgmmaWait<1>();  // dV, dK have landed: the Q / dO stage is free (dQ reads K and dS^T only)
+      } else {
+        WgmmaWait<0>();
+      }
+      FenceRegs(dv);
+      FenceRegs(dk);
+      MbarArriveIf(&bars.row_empty[ps.stage], wtid == 0);
+    }
+    if constexpr (kDq) {
+      WgmmaWait<0>();
+      FenceRegs(dq);
+#pragma unroll
+      for (int j = 0; j < kHalfD / 32; ++j) {
+        BulkWaitRead();  // the last reduce-add has read the buffer (only wtid 0 has bulk groups)
+        NamedBarrierSync(3 + cw, 128);
+        StoreDqBox32(dq_buf, wwarp, g, t, dq, j, bp.scale);
+        FenceProxyAsyncShared();
+        NamedBarrierSync(3 + cw, 128);  // the box is in dq_buf
+        if (wtid == 0) {
+          TmaReduceAdd4d(&p.dq_map, dq_buf, 0, cw * (kHalfD / 32) + j, head, rb);
+          BulkCommit();
+        }
+        __syncwarp();
+      }
+    }
+    ps.Advance();
+  }
+
+  // Epilogue: every wgmma of both warpgroups is done and the producer has nothing in flight: the Q / dO rings
+  // are free. dK (x scale) into the Q ring, dV into the dO ring, [4 chunks][64 keys][64], 128-byte swizzle;
+  // the warpgroup stores its two chunks.
+  NamedBarrierSync(2, Tile::kConsumerThreads);
+  unsigned char* stage_k = sq;
+  unsigned char* stage_v = sdo;
+#pragma unroll
+  for (int di = 0; di < DT; ++di) {
+    const int col = di * 8 + 2 * t, chunk = 2 * cw + col / 64, r = wwarp * 16 + g;
+    const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
+    *reinterpret_cast<uint32_t*>(stage_k + o0) = Elem<T>::Pack(dk[di][0] * bp.scale, dk[di][1] * bp.scale);
+    *reinterpret_cast<uint32_t*>(stage_k + o1) = Elem<T>::Pack(dk[di][2] * bp.scale, dk[di][3] * bp.scale);
+    *reinterpret_cast<uint32_t*>(stage_v + o0) = Elem<T>::Pack(dv[di][0], dv[di][1]);
+    *reinterpret_cast<uint32_t*>(stage_v + o1) = Elem<T>::Pack(dv[di][2], dv[di][3]);
+  }
+  FenceProxyAsyncShared();
+  NamedBarrierSync(3 + cw, 128);
+  if (wtid == 0) {
+#pragma unroll
+    for (int c = 2 * cw; c < 2 * cw + 2; ++c) {
+      TmaStore3d(&p.dk_map, stage_k + c * (BN * 128), 64 * c, hk, kb * BN);
+      TmaStore3d(&p.dv_map, stage_v + c * (BN * 128), 64 * c, hk, kb * BN);
+    }
+    BulkCommit();
+    BulkWait();  // also completes this thread's dQ reduce-adds (the dq convert kernel reads them next)
+  }
+}
+
 template <typename T, int D, bool kDq>
 __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     FlashBwdSm90Kernel(const __grid_constant__ BwdSm90Params p) {
@@ -165,7 +418,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     }
     const int tq = args.tq, hq = bp.hq;
     PipeState<kStages> ps;
-    const SliceWalk walk(args, bp.k_lists, kb);
+    const SliceWalk walk(args, bp.k_lists, kb / (kKBlock / BN));  // kSplitD: two CTAs per k block's list
     KvStep st;
     for (StartSlice(walk, args, c0, c1, walk.First(args), &st); st.cur >= 0;
          AdvanceStep(walk, args, c0, c1, group, BM, &st)) {
@@ -215,6 +468,13 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
 
   // ------------------------------------------------------------------------------------------- consumers
   SetMaxRegsInc<Tile::kConsumerRegs>();
+  if constexpr (Tile::kSplitD) {
+    // Head dim 256: the split-D consumers. An early return rather than an else around the code below: that
+    // code is instantiated for D 256 too but never reached (and dropped), and the D 64 / 128 kernels compile
+    // from exactly the source they had (an else block changed their register allocation).
+    BwdSm90SplitDConsumer<T, D, kDq>(p, smem, kb, hk, wg - 1);
+    return;
+  }
   constexpr int DT = D / 8;
   const int cw = wg - 1, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
   const bool softcap = bp.softcap > 0.0f;

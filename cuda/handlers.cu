@@ -92,7 +92,7 @@ FwdKernel ForwardKernel() {
 // Head dim 256 has one CUDA forward, the sm90 one (TMA + wgmma; the mma.sync forward has no D 256 tile: its
 // registers and shared memory are sized for 64 and 128), so D 256 takes it whatever MAGI_JAX_FFA_KERNEL
 // says, on an sm_90 GPU (the only target this library is built for); anything else gets a clear error
-// before any kernel runs. Its backward does not exist yet (FfaBwdImpl refuses D 256 up front).
+// before any kernel runs. The same for its backward (FfaBwdImpl: the sm90 dK/dV kernel, deterministic=False).
 constexpr int64_t kSm90OnlyHeadDim = 256;
 ffi::Error CheckSm90ForHeadDim(int64_t d) {
   int device = 0, major = 0, minor = 0;
@@ -221,14 +221,20 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (auto err = CheckSameShape("dk", *dk, k); err.failure()) return err;
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
-  // Before any allocation or kernel: the head_dim 256 backward is future work (the forward runs, FfaFwdImpl).
-  if (dims->d == kSm90OnlyHeadDim)
-    return ffi::Error::InvalidArgument(
-        "q: head_dim 256 has no CUDA backward yet (the forward is supported; gradients need head_dim 64 or 128 "
-        "on the GPU)");
+  // Head dim 256: the sm90 dK/dV kernel (BwdSm90Tile<256>, the warpgroups split D) with dQ by TMA reduce-add,
+  // whatever MAGI_JAX_FFA_KERNEL says; checked before any allocation or kernel. deterministic=True has no D 256
+  // kernel: the mma.sync dq kernel's tiles are sized for 64 and 128.
+  const bool sm90_only = dims->d == kSm90OnlyHeadDim;
+  if (sm90_only) {
+    if (auto err = CheckSm90ForHeadDim(dims->d); err.failure()) return err;
+    if (deterministic)
+      return ffi::Error::InvalidArgument(
+          "q: head_dim 256 has no deterministic CUDA backward (deterministic=True needs head_dim 64 or 128 on "
+          "the GPU; deterministic=False runs head_dim 256)");
+  }
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
-  const bool sm90 = ForwardKernel() == FwdKernel::kSm90;
+  const bool sm90 = sm90_only || ForwardKernel() == FwdKernel::kSm90;
   const int64_t rows = dims->tq * dims->hq;
   const ListSizes k_sizes = SizeLists(dims->tk, kKBlock, dims->num_slices);
   const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
@@ -276,10 +282,30 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       return CudaFailure("dq accumulator", err);
   }
 
-  return DispatchTypeAndDim(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
+  return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     if (cudaError_t err = LaunchBwdDelta<T, D>(p, stream); err != cudaSuccess) return CudaFailure("delta", err);
+    if constexpr (D == kSm90OnlyHeadDim) {
+      // No mma.sync fallback (deterministic=True was refused above). No query rows: dk = dv = 0 (TMA needs
+      // a non-empty q map).
+      if (dims->tq == 0) {
+        const size_t kv_bytes = size_t(dims->tk) * size_t(dims->hkv) * D * sizeof(T);
+        if (cudaError_t e = cudaMemsetAsync(p.dk, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dk", e);
+        if (cudaError_t e = cudaMemsetAsync(p.dv, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dv", e);
+        return ffi::Error::Success();
+      }
+      const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, stream);
+      if (err == cudaErrorNotSupported)
+        return ffi::Error::InvalidArgument(
+            "q: head_dim 256 runs on the sm90 (TMA) backward only, which needs q, k, v, dout, dk, dv 16-byte "
+            "aligned, at least one query row and a driver with cuTensorMapEncodeTiled");
+      if (err != cudaSuccess) return CudaFailure("dk/dv (sm90)", err);
+      if (cudaError_t e = LaunchDqConvert<T>(p.dq_accum, static_cast<T*>(p.dq), int64_t(accum_elems), stream);
+          e != cudaSuccess)
+        return CudaFailure("dq convert", e);
+      return ffi::Error::Success();
+    } else {
     if (deterministic) {
       if (cudaError_t err = LaunchBwdDq<T, D>(p, stream); err != cudaSuccess) return CudaFailure("dq", err);
     }
@@ -301,6 +327,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         return CudaFailure("dq convert", err);
     }
     return ffi::Error::Success();
+    }
   });
 }
 

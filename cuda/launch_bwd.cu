@@ -1,4 +1,4 @@
-// Backward launchers and their instantiations (bf16, fp16) x (D 64, 128).
+// Backward launchers and their instantiations (bf16, fp16) x (D 64, 128); delta also for D 256.
 #include "flash_bwd_dkdv_kernel.h"
 #include "flash_bwd_dq_kernel.h"
 #include "flash_bwd_preprocess.h"
@@ -58,6 +58,9 @@ MAGI_INSTANTIATE_BWD(__nv_bfloat16, 64)
 MAGI_INSTANTIATE_BWD(__nv_bfloat16, 128)
 MAGI_INSTANTIATE_BWD(__half, 64)
 MAGI_INSTANTIATE_BWD(__half, 128)
+// Head dim 256: delta only (its dK/dV and dQ come from the sm90 kernel, launch_bwd_sm90.cu).
+template cudaError_t LaunchBwdDelta<__nv_bfloat16, 256>(const BwdParams&, cudaStream_t);
+template cudaError_t LaunchBwdDelta<__half, 256>(const BwdParams&, cudaStream_t);
 template cudaError_t LaunchDqConvert<__nv_bfloat16>(const float*, __nv_bfloat16*, int64_t, cudaStream_t);
 template cudaError_t LaunchDqConvert<__half>(const float*, __half*, int64_t, cudaStream_t);
 

@@ -1,6 +1,6 @@
 // The sm90 backward's dK/dV launcher (flash_bwd_sm90_kernel.h): tensor maps built on the host from device
 // pointers and static shapes (no synchronisation), a grid of (k blocks, kv heads), the instantiations
-// (bf16, fp16) x (D 64, 128) x (dQ by TMA reduce-add or not).
+// (bf16, fp16) x (D 64, 128, 256) x (dQ by TMA reduce-add or not). D 256: 64-key CTAs (BwdSm90Tile::kSplitD).
 #include "flash_bwd_sm90_kernel.h"
 #include "launch.h"
 #include "tma_map.h"
@@ -8,15 +8,15 @@
 namespace magi_jax::cuda {
 namespace {
 
-// The fp32 dq accumulator [t, h, d] as (32, d / 32, h, t) in boxes of (32, 2, 1, box_rows): 64 columns of
-// box_rows rows in 128-byte lines ordered (row, 32-column chunk), 128-byte swizzle (the kernel's
-// StoreDq). The swizzle needs inner boxes of at most 128 bytes, hence the 32-column split; ordering the
+// The fp32 dq accumulator [t, h, d] as (32, d / 32, h, t) in boxes of (32, box_cols / 32, 1, box_rows):
+// box_cols (64; head dim 256: 32) columns of box_rows rows in 128-byte lines ordered (row, 32-column chunk),
+// 128-byte swizzle (the kernel's StoreDq / StoreDqBox32). The swizzle needs inner boxes of at most 128 bytes, hence the 32-column split; ordering the
 // lines (row, chunk) makes the kernel's staging stores conflict-free. Rows past t are skipped by the reduce.
 bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, float* base, int t, int h,
-                      int d, int box_rows) {
+                      int d, int box_cols, int box_rows) {
   const cuuint64_t dims[4] = {32, cuuint64_t(d / 32), cuuint64_t(h), cuuint64_t(t)};
   const cuuint64_t strides[3] = {32 * 4, cuuint64_t(d) * 4, cuuint64_t(h) * d * 4};  // bytes, dims 1-3
-  const cuuint32_t box[4] = {32, 2, 1, cuuint32_t(box_rows)};
+  const cuuint32_t box[4] = {32, cuuint32_t(box_cols / 32), 1, cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, elem_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -45,7 +45,7 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
       !EncodeMap<T>(encode, &sp.dv_map, p.dv, tk, p.hkv, D, Tile::kKeysPerWarpgroup))
     return cudaErrorNotSupported;
   if (reduce_dq && (!Aligned16(p.dq_accum) || !EncodeDqAccumMap(encode, &sp.dq_map, p.dq_accum, tq, p.hq, D,
-                                                                 Tile::kBlockM)))
+                                                                 Tile::kDqBoxCols, Tile::kBlockM)))
     return cudaErrorNotSupported;
   sp.base = p;
   auto kernel = reduce_dq ? FlashBwdSm90Kernel<T, D, true> : FlashBwdSm90Kernel<T, D, false>;
@@ -60,5 +60,7 @@ template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 64>(const BwdParams&, bool
 template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 128>(const BwdParams&, bool, cudaStream_t);
 template cudaError_t LaunchBwdDkDvSm90<__half, 64>(const BwdParams&, bool, cudaStream_t);
 template cudaError_t LaunchBwdDkDvSm90<__half, 128>(const BwdParams&, bool, cudaStream_t);
+template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 256>(const BwdParams&, bool, cudaStream_t);
+template cudaError_t LaunchBwdDkDvSm90<__half, 256>(const BwdParams&, bool, cudaStream_t);
 
 }  // namespace magi_jax::cuda

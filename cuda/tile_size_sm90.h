@@ -95,15 +95,29 @@ struct FwdSm90Barriers {
 // the bf16 A fragments of P^T and dS^T 16 + 16 (S^T / dP^T die when packed); dQ (64 rows x 64 columns)
 // 32. Peak: 192 during S/dP (dK, dV, S, dP) and during dQ (dK, dV, P, dS, dQ), + ~30 addresses and loop
 // state, under 232. D 64: 32 + 32 + 32 + 32 + 32.
+//
+// Head dim 256 (kSplitD): dK, dV of 64 keys x 256 columns would be 128 + 128 registers per thread, so the two
+// consumer warpgroups split D instead of the keys: a CTA owns 64 keys (half a k block of the slice lists),
+// warpgroup w holds dK, dV for all 64 keys x columns [128 w, 128 w + 128) (64 + 64 registers). S^T, dP^T
+// (64 keys x 64 rows) are split by rows: warpgroup w computes both for rows [32 w, 32 w + 32) (wgmma N 32,
+// 16 + 16 registers, the full D 256 contraction), applies the mask, P^T, dS^T, and writes them (bf16) into
+// shared memory; after a barrier of both warpgroups, dV, dK (N 128) and dQ (64 rows x its 128 columns, N 128,
+// 64 registers while dK, dV live: 192 at the peak) read both from there (SS). FA3's hdim-256 backward splits
+// the same GEMMs between its two warpgroups (by keys, with swapAB for dK/dV/dQ). Shared memory: K, V 32 KB
+// each, Q, dO 2 stages x 32 KB each, P^T and dS^T 8 KB each (single-buffered: a barrier before they are
+// rewritten), dQ staging 8 KB per warpgroup (64 rows x 32 columns fp32, 4 TMA reduce-adds per step and
+// warpgroup), lse/delta 1 KB: 230,656 B + 1024 for the alignment.
 template <int D>
 struct BwdSm90Tile {
-  static constexpr int kBlockN = 128;  // keys per CTA (= kKBlock: the k-block slice lists are shared)
+  static constexpr bool kSplitD = D > 128;
+  static constexpr int kBlockN = kSplitD ? 64 : 128;  // keys per CTA (kKBlock / kBlockN CTAs per slice list)
   static constexpr int kBlockM = 64;   // q rows per step
   static constexpr int kStages = 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-  static constexpr int kKeysPerWarpgroup = kBlockN / kConsumerWarpgroups;
+  // Keys whose dK / dV rows a warpgroup holds (kSplitD: all of them, for half of the columns).
+  static constexpr int kKeysPerWarpgroup = kSplitD ? kBlockN : kBlockN / kConsumerWarpgroups;
   static constexpr int kChunks = D / 64;
   // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
   static constexpr int kProducerRegs = 40;
@@ -111,7 +125,8 @@ struct BwdSm90Tile {
 
   static constexpr uint32_t kKvBytes = kBlockN * D * 2;   // K or V, [kChunks][kBlockN][64]
   static constexpr uint32_t kRowBytes = kBlockM * D * 2;  // one Q or dO stage, [kChunks][kBlockM][64]
-  static constexpr uint32_t kDsBytes = kBlockN * kBlockM * 2;  // dS^T [kBlockN keys][kBlockM rows], swizzled
+  // dS^T [kBlockN keys][kBlockM rows], swizzled; two of them (double-buffered; kSplitD: P^T, then dS^T)
+  static constexpr uint32_t kDsBytes = kBlockN * kBlockM * 2;
   static constexpr uint32_t kKOffset = 0;
   static constexpr uint32_t kVOffset = kKOffset + kKvBytes;
   static constexpr uint32_t kQOffset = kVOffset + kKvBytes;
@@ -122,13 +137,15 @@ struct BwdSm90Tile {
   // dQ staging, one per consumer warpgroup: its 64 rows x 64 columns of fp32 dQ as the box of the dq_accum
   // tensor map (32 columns, 2 column chunks, 1 head, 64 rows: 128-byte lines ordered (row, chunk)) in the
   // 128-byte swizzle, read by the TMA reduce-add.
-  static constexpr uint32_t kDqBytes = kBlockM * 64 * 4;
+  // kSplitD: 64 rows x 32 columns (the box (32, 1, 1, 64)), the warpgroup's 128 columns in four boxes.
+  static constexpr int kDqBoxCols = kSplitD ? 32 : 64;
+  static constexpr uint32_t kDqBytes = kBlockM * kDqBoxCols * 4;
   static constexpr uint32_t kDqOffset = kDsOffset + 2 * kDsBytes;
   static constexpr uint32_t kBarOffset = kDqOffset + kConsumerWarpgroups * kDqBytes;
   static constexpr uint32_t kBarBytes = 256;
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
 
-  static_assert(kBlockN == kKBlock, "the dk/dv kernels share the k-block slice lists");
+  static_assert(kKBlock % kBlockN == 0, "the dk/dv kernels share the k-block slice lists");
   static_assert(2 * kStages * kBlockM * 4 <= 1024, "lse / delta region");
   static_assert(kDsOffset % 1024 == 0 && kDqOffset % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(kStages * kRowBytes >= kKvBytes, "dK / dV are staged in the Q / dO rings for the TMA store");

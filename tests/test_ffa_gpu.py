@@ -247,10 +247,12 @@ def test_one_million_tokens_varlen_causal_forward_backward():
 
 
 # ------------------------------------------------------------------------------------------ head dim 256
-# The forward only (cuda/handlers.cu): D 256 always runs the sm90 forward (TMA + wgmma, key tiles of 80, no
-# intra-warpgroup overlap), whatever MAGI_JAX_FFA_KERNEL says; its backward is refused with an error naming
-# head_dim. grads=False: out and lse against the float64 reference. Collected again, unchanged, under
-# MAGI_JAX_FFA_KERNEL=sm90 by tests/test_ffa_sm90_gpu.py.
+# cuda/handlers.cu: D 256 always runs the sm90 forward (TMA + wgmma, key tiles of 80, no intra-warpgroup
+# overlap) and the sm90 backward (BwdSm90Tile<256>: 64-key CTAs, the two consumer warpgroups split D, dQ by
+# TMA reduce-add), whatever MAGI_JAX_FFA_KERNEL says. deterministic=True at D 256 is refused with an error
+# naming head_dim. grads=False: out and lse against the float64 reference; the test_head_dim_256_backward_*
+# tests check dq, dk, dv too. Collected again, unchanged, under MAGI_JAX_FFA_KERNEL=sm90 by
+# tests/test_ffa_sm90_gpu.py.
 
 @pytest.mark.parametrize("mask_type", TYPES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -299,18 +301,74 @@ def test_head_dim_256_rows_and_keys_with_nothing():
     run_case(AttnMask(np.zeros((0, 2), int), np.zeros((0, 2), int), [], 200, 300), d=256, grads=False)
 
 
-def test_head_dim_256_backward_is_refused_by_name():
+# Gradients (dq, dk, dv) against the float64 reference. Sizes keep the reference small; they cover partial
+# 64-key CTAs (545 keys = 8 x 64 + 33), two CTAs sharing one k block's slice list, rows past the end.
+@pytest.mark.parametrize("mask_type", TYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_256_backward_each_type_alone(mask_type, dtype):
+    mask = AttnMask([[5, 350]], [[20, 530]], [mask_type], 360, 545)
+    run_case(mask, d=256, dtype=dtype, seed=257)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_256_backward_varlen_causal_documents(dtype):
+    run_case(masks.varlen_causal([700, 333, 91, 300]), hq=4, hkv=4, d=256, dtype=dtype, seed=8)
+
+
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (4, 1)])
+def test_head_dim_256_backward_gqa_and_mqa(hq, hkv):
+    run_case(masks.varlen_causal([200, 333, 91]), hq=hq, hkv=hkv, d=256, seed=hq + hkv + 1)
+
+
+def test_head_dim_256_backward_mixed_types_and_overlapping_q_ranges():
+    mask = AttnMask([[0, 300], [120, 540], [180, 210], [450, 600], [0, 600], [200, 600]],
+                    [[0, 390], [30, 600], [0, 150], [300, 480], [270, 285], [0, 600]],
+                    [0, 1, 2, 3, 1, 0], 600, 600)
+    run_case(mask, hq=4, hkv=2, d=256, seed=4)
+
+
+@pytest.mark.parametrize("name, mask", [
+    ("sliding_window", masks.sliding_window([300, 500], 100)),
+    ("block_causal", masks.block_causal([400, 300], 128)),
+    ("shared_question", masks.shared_question([(100, [80, 150]), (60, [200])])),
+])
+def test_head_dim_256_backward_mask_families(name, mask):
+    run_case(mask, d=256, seed=9)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_256_backward_softcap_and_scale(dtype):
+    run_case(masks.sliding_window([300, 400], 150), d=256, dtype=dtype, softcap=5.0, softmax_scale=0.2, seed=2)
+    run_case(masks.varlen_causal([333, 200]), d=256, dtype=dtype, softcap=2.0, seed=1)
+
+
+@pytest.mark.parametrize("tq, tk", [(700, 260), (260, 700)])
+def test_head_dim_256_backward_tq_differs_from_tk(tq, tk):
+    run_case(AttnMask([[0, tq]], [[0, tk]], ["causal"], tq, tk), d=256)
+
+
+def test_head_dim_256_backward_rows_and_keys_with_nothing():
+    # Keys no row attends (dk = dv = 0 there), rows attending nothing (dq = 0), an empty mask.
+    mask = AttnMask([[0, 200], [400, 500]], [[100, 300], [0, 50]], [0, 1], 600, 700)
+    run_case(mask, hq=4, hkv=2, d=256, seed=6)
+    run_case(AttnMask(np.zeros((0, 2), int), np.zeros((0, 2), int), [], 200, 300), d=256)
+
+
+def test_head_dim_256_deterministic_backward_is_refused_by_name():
+    # deterministic=True has no D 256 kernel (the mma.sync dq kernel is sized for 64 and 128): a clear error,
+    # and deterministic=False still runs in the same process.
     mask = masks.varlen_causal([300, 200])
     rng = np.random.default_rng(8)
     q, k, v = random_qkv(rng, 500, 500, 2, 2, 256, jnp.bfloat16)
     qr, kr, types = mask.kernel_args()
 
-    def loss(q, k, v):
-        out, _ = mj.flex_flash_attn(q, k, v, qr, kr, types)
+    def loss(q, k, v, deterministic):
+        out, _ = mj.flex_flash_attn(q, k, v, qr, kr, types, deterministic=deterministic)
         return jnp.sum(out.astype(jnp.float32))
 
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
     with pytest.raises(Exception, match="head_dim 256"):
-        jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
-    # The forward alone still works in the same process.
-    out, lse = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, qr, kr, types))(q, k, v)
-    assert bool(jnp.isfinite(out.astype(jnp.float32)).all()) and bool(jnp.isfinite(lse).all())
+        jax.block_until_ready(grad(q, k, v, True))
+    dq, dk, dv = jax.block_until_ready(grad(q, k, v, False))
+    for g in (dq, dk, dv):
+        assert bool(jnp.isfinite(g.astype(jnp.float32)).all())
