@@ -7,8 +7,8 @@
 # building blocks, the smoke tests (forward and backward) under a hard timeout (a barrier bug hangs instead
 # of failing; its log says so), then tests/test_ffa_sm90_gpu.py (the whole GPU suite with
 # MAGI_JAX_FFA_KERNEL=sm90, plus its own tests), then the bench with the ffa_sm90 column.
-# QUICK=1: only the quick subset of that file (26 tests past the smoke ones: what is new plus each mask
-# type, GQA, softcap, both head dims and dtypes), tests and bench 170 s each,
+# QUICK=1: only the quick subset of that file (what is new plus each mask type, GQA, softcap, both head
+# dims and dtypes, and the head dim 256 tests), tests and bench 170 s each,
 # 8 workers, so that the whole call fits in 10 minutes.
 #   SUITE=sm90 QUICK=1 bash cuda/device_run.sh  # the next session's one command (about 7-9 minutes)
 set -u
@@ -21,7 +21,7 @@ if [ "$SUITE" = sm90 ]; then
   TEST_TIMEOUT=${TEST_TIMEOUT:-270}
   BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
   if [ "${QUICK:-0}" = 1 ]; then
-    QUICK_K="persistent or repeatable or agree or (each_type_alone and 128-bfloat16) or mixed_types or (gqa and 8-2) or softcap"
+    QUICK_K="persistent or repeatable or agree or (each_type_alone and 128-bfloat16) or mixed_types or (gqa and 8-2) or softcap or 256"
     TESTS=${TESTS:-"-k '$QUICK_K'"}
     TEST_TIMEOUT=${TEST_TIMEOUT_QUICK:-170}
     BENCH_TIMEOUT=${BENCH_TIMEOUT_QUICK:-170}
@@ -52,11 +52,13 @@ fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   eval "TEST_ARGS=(${TESTS:-})"  # TESTS may hold a quoted -k expression
   t0=$(date +%s)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -q -rfE -n "${TEST_WORKERS:-4}" \
+  # -v: every test's name and outcome is in the log even when the timeout cuts the run short.
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -v -rfE -n "${TEST_WORKERS:-4}" \
     -p no:cacheprovider --timeout 240 --durations=12 -s $TEST_FILES "${TEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
-  echo "tests: rc $? in $(( $(date +%s) - t0 )) s"
-  grep -E "peak GPU memory|passed|failed" "$OUT/tests.log" | tail -5
-  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -40
+  echo "tests: rc $? in $(( $(date +%s) - t0 )) s;" \
+    "$(grep -c ' PASSED ' "$OUT/tests.log") passed, $(grep -cE ' (FAILED|ERROR) ' "$OUT/tests.log") failed"
+  grep -E "peak GPU memory|passed|failed" "$OUT/tests.log" | tail -3
+  grep -E " (FAILED|ERROR) |node down" "$OUT/tests.log" | sed 's/.*::/  /' | head -40
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   t0=$(date +%s)
