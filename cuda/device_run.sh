@@ -41,13 +41,18 @@ if [ "$SUITE" = sm90 ]; then
   nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icuda cuda/tools/sm90_unit.cu -o /tmp/sm90_unit \
     > "$OUT/unit.log" 2>&1 && timeout -k 5 60 /tmp/sm90_unit >> "$OUT/unit.log" 2>&1
   echo "unit: rc $?"; tail -5 "$OUT/unit.log"
-  t0=$(date +%s)
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SMOKE_TIMEOUT:-150}" python3 -m pytest -q -x -rfE \
-    -p no:cacheprovider -s tests/test_ffa_sm90_gpu.py -k smoke > "$OUT/smoke.log" 2>&1
-  rc=$?
-  echo "smoke: rc $rc in $(( $(date +%s) - t0 )) s$([ $rc = 124 ] && echo ' (TIMED OUT: a hang, see NOTES.md sm90 debugging)')"
-  tail -25 "$OUT/smoke.log"
-  [ $rc = 0 ] || exit 1
+  # Head dims 64/128 first (a failure or hang stops the call), then head dim 256 apart (reported only).
+  smoke() {  # smoke NAME K_EXPRESSION
+    local t0=$(date +%s)
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SMOKE_TIMEOUT:-150}" python3 -m pytest -q -x -rfE \
+      -p no:cacheprovider -s tests/test_ffa_sm90_gpu.py -k "$2" > "$OUT/$1.log" 2>&1
+    local rc=$?
+    echo "$1: rc $rc in $(( $(date +%s) - t0 )) s$([ $rc = 124 ] && echo ' (TIMED OUT: a hang, see NOTES.md sm90 debugging)')"
+    tail -12 "$OUT/$1.log"
+    return $rc
+  }
+  smoke smoke "smoke and not 256" || exit 1
+  smoke smoke_d256 "smoke and 256"
 fi
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   eval "TEST_ARGS=(${TESTS:-})"  # TESTS may hold a quoted -k expression
