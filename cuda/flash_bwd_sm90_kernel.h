@@ -112,6 +112,69 @@ struct BwdSm90Region {
   static_assert(sizeof(BwdSm90Barriers<kStages>) <= kStepOffset, "mbarriers fit before the steps");
 };
 
+// ------------------------------------------------------------------------------- per-step math (both consumers)
+// A consumer thread (g, t) of warp wwarp holds S^T / dP^T for keys k0 + 16 wwarp + g (+ 8) x the step's rows
+// r0 + 8 ni + 2 t (+ 1), ni < NT (the C layout of an m64nNk16 wgmma with N = 8 NT).
+
+// The exact mask of the step's slice on S^T, unless the keys [k0, k0 + nk) x rows [r0, r0 + 8 NT) tile is
+// interior. The test is lane 0's: a branch on a value read from shared memory would not be uniform to ptxas.
+template <int NT>
+MAGI_DEV void MaskStep(float (&s)[1][NT][4], const BwdSm90Step& info, int64_t k0, int nk, int r0, int wwarp, int g,
+                       int t) {
+  Slice sl;
+  sl.qs = info.qs;
+  sl.qe = info.qe;
+  sl.ks = info.ks;
+  sl.ke = info.ke;
+  sl.type = info.type;
+  const bool interior = __shfl_sync(0xffffffffu, int(KeyTileInterior(sl, k0, nk, r0, 8 * NT)), 0) != 0;
+  if (!interior) {
+    const int64_t key = k0 + wwarp * 16 + g;  // this thread's keys: key, key + 8
+    int klo[2], khi[2];
+    KeyInterval(sl, key, &klo[0], &khi[0]);
+    KeyInterval(sl, key + 8, &klo[1], &khi[1]);
+    MaskRows<1, NT>(s, klo, khi, r0, t);
+  }
+}
+
+// P^T = exp2(S^T scale_log2 - lse), lse_s: the step's lse (log2 units) from row r0.
+template <int NT>
+MAGI_DEV void ExpScores(float (&s)[1][NT][4], const float* lse_s, int t, float scale_log2) {
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni) {
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[0][ni][e] = Exp2(s[0][ni][e] * scale_log2 - ((e & 1) ? l2.y : l2.x));
+  }
+}
+
+// dS^T = P^T (dP^T - delta) into dp. Without softcap s already holds P^T (ExpScores); with it (softcap:
+// cap > 0, the caller's flag) s holds the capped score, becomes P^T here, and dS^T takes the softcap
+// derivative (0 on masked cells).
+template <int NT>
+MAGI_DEV void ProbsAndDs(float (&s)[1][NT][4], float (&dp)[1][NT][4], const float* lse_s, const float* delta_s, int t,
+                         float scale_log2, bool softcap, float cap) {
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni) {
+    const float2 dl = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
+    if (softcap) {
+      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float x = s[0][ni][e];
+        const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
+        const float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+        const float th = x / cap;
+        s[0][ni][e] = prob;
+        dp[0][ni][e] = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[0][ni][e] = s[0][ni][e] * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------ head dim 256 (kSplitD)
 // The consumers of BwdSm90Tile<256> (tile_size_sm90.h): the CTA owns 64 keys; consumer warpgroup cw computes
 // S^T, dP^T for rows [32 cw, 32 cw + 32) of the step's 64 (wgmma N 32, all 64 keys, the full D contraction),
@@ -229,52 +292,11 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     WgmmaWait<1>();  // S^T has landed, dP^T still runs
     FenceRegs(s[0]);
     if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
-    {
-      const BwdSm90Step& info = steps[ps.stage];
-      Slice sl;
-      sl.qs = info.qs;
-      sl.qe = info.qe;
-      sl.ks = info.ks;
-      sl.ke = info.ke;
-      sl.type = info.type;
-      const bool interior = __shfl_sync(0xffffffffu, int(KeyTileInterior(sl, c0, BN, rb + row0, kHalfM)), 0) != 0;
-      if (!interior) {
-        const int64_t key = c0 + wwarp * 16 + g;  // this thread's keys: key, key + 8
-        int klo[2], khi[2];
-        KeyInterval(sl, key, &klo[0], &khi[0]);
-        KeyInterval(sl, key + 8, &klo[1], &khi[1]);
-        MaskRows<1, NT>(s, klo, khi, rb + row0, t);
-      }
-    }
-    if (!softcap) {
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni) {
-        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][ni][e] = Exp2(s[0][ni][e] * scale_log2 - ((e & 1) ? l2.y : l2.x));
-      }
-    }
+    MaskStep<NT>(s, steps[ps.stage], c0, BN, rb + row0, wwarp, g, t);
+    if (!softcap) ExpScores<NT>(s, lse_s, t, scale_log2);
     WgmmaWait<0>();  // dP^T has landed
     FenceRegs(dp[0]);
-#pragma unroll
-    for (int ni = 0; ni < NT; ++ni) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
-      if (softcap) {
-        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = s[0][ni][e];
-          const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
-          const float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
-          const float th = x / bp.softcap;
-          s[0][ni][e] = prob;
-          dp[0][ni][e] = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[0][ni][e] = s[0][ni][e] * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
-      }
-    }
+    ProbsAndDs<NT>(s, dp, lse_s, delta_s, t, scale_log2, softcap, bp.softcap);
     // Both warpgroups have retired the last step's wgmmas (wait<0> below): P^T / dS^T may be rewritten.
     NamedBarrierSync(5, Tile::kConsumerThreads);
     {
@@ -601,55 +623,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     WgmmaWait<1>();
     FenceRegs(s[0]);
     if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
-    {
-      const BwdSm90Step& info = steps[ps.stage];
-      Slice sl;
-      sl.qs = info.qs;
-      sl.qe = info.qe;
-      sl.ks = info.ks;
-      sl.ke = info.ke;
-      sl.type = info.type;
-      const int64_t wk0 = int64_t(kb) * BN + cw * WK;  // the warpgroup's first key
-      // Uniform (lane 0's value): a branch on a value read from shared memory would not be, to ptxas.
-      const bool interior = __shfl_sync(0xffffffffu, int(KeyTileInterior(sl, wk0, WK, rb, BM)), 0) != 0;
-      if (!interior) {
-        // The exact mask per cell, from the step's slice and this thread's keys.
-        const int64_t key = wk0 + wwarp * 16 + g;  // this thread's keys: key, key + 8
-        int klo[2], khi[2];
-        KeyInterval(sl, key, &klo[0], &khi[0]);
-        KeyInterval(sl, key + 8, &klo[1], &khi[1]);
-        MaskRows<1, 8>(s, klo, khi, rb, t);
-      }
-    }
-    if (!softcap) {
-#pragma unroll
-      for (int ni = 0; ni < 8; ++ni) {
-        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][ni][e] = Exp2(s[0][ni][e] * scale_log2 - ((e & 1) ? l2.y : l2.x));
-      }
-    }
+    MaskStep<8>(s, steps[ps.stage], int64_t(kb) * BN + cw * WK, WK, rb, wwarp, g, t);  // the warpgroup's keys
+    if (!softcap) ExpScores<8>(s, lse_s, t, scale_log2);
     WgmmaWait<0>();  // dP^T has landed: nothing in flight
     FenceRegs(dp[0]);
-#pragma unroll
-    for (int ni = 0; ni < 8; ++ni) {
-      const float2 dl = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
-      if (softcap) {
-        const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float x = s[0][ni][e];
-          const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
-          const float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
-          const float th = x / bp.softcap;
-          s[0][ni][e] = prob;
-          dp[0][ni][e] = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dp[0][ni][e] = s[0][ni][e] * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
-      }
-    }
+    ProbsAndDs<8>(s, dp, lse_s, delta_s, t, scale_log2, softcap, bp.softcap);
     PackA64<T>(s[0], pa);
     PackA64<T>(dp[0], dsa);
   };
