@@ -246,11 +246,16 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
 
 # ------------------------------------------------------------------------------------------------- table
 
+def measured(results: list[dict]) -> dict[tuple, dict]:
+    """(case, impl, mode) -> the row, for the rows that were timed."""
+    return {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
+
+
 COLUMNS = ("ffa", "ffa_sm90", "ffa_sm90_grid", "ffa_det", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:
-    by = {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
+    by = measured(results)
     cases = list(dict.fromkeys(r["case"] for r in results))
     present = [c for c in COLUMNS if any(r["impl"] == c for r in results if "tflops" in r)]
     sm90 = "ffa_sm90" in present
@@ -273,7 +278,7 @@ def table(results: list[dict]) -> str:
 
 
 def speed_bar(results: list[dict]) -> str:
-    by = {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
+    by = measured(results)
     parts = []
     for mode, bar in (("fwd", 0.5), ("fwd+bwd", 0.4)):
         c = by.get(("varlen_causal_64k", "cudnn", mode))
@@ -306,7 +311,7 @@ ISSUE4_TARGETS = {
 
 def target_check(results: list[dict], impl: str) -> str:
     """One line per target of ISSUE4_TARGETS measured in this run, for ``impl``."""
-    by = {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
+    by = measured(results)
     lines, met, total = [], 0, 0
     for (case, mode), (kind, bar, peers) in ISSUE4_TARGETS.items():
         if not any(r["case"] == case for r in results):

@@ -42,6 +42,7 @@ from magi_jax.comm import (TRANSPORTS, CastTables, accumulate_partials, cast_tab
                            return_partials)
 from magi_jax.mask import AttnMask
 from magi_jax.planner.plan import DistAttnPlan, make_plan
+from magi_jax.planner.slices import pad_slices
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -296,21 +297,13 @@ def run_tables(p: DistAttnPlan, transport: str = "auto") -> RunTables:
 
 
 def _concat_slices(sets, key_offsets):
-    """Per-rank slice sets -> one, keys shifted by each set's offset, live slices first, padded with empty
-    slices."""
-    cp = sets[0][0].shape[0]
+    """Per-rank slice sets -> one, keys shifted by each set's offset, padded with empty slices."""
     live = [s[0][..., 1] > s[0][..., 0] for s in sets]
-    n = max(int(sum(m.sum(1) for m in live).max()), 1)
-    q = np.zeros((cp, n, 2), np.int32)
-    k = np.zeros((cp, n, 2), np.int32)
-    t = np.zeros((cp, n), np.int32)
-    for r in range(cp):
-        parts = [(s[0][r][m[r]], s[1][r][m[r]] + off, s[2][r][m[r]]) for s, m, off in zip(sets, live, key_offsets)]
-        m = sum(len(x[0]) for x in parts)
-        q[r, :m] = np.concatenate([x[0] for x in parts])
-        k[r, :m] = np.concatenate([x[1] for x in parts])
-        t[r, :m] = np.concatenate([x[2] for x in parts])
-    return q, k, t
+    rank = np.concatenate([np.nonzero(m)[0] for m in live])
+    q = np.concatenate([s[0][m] for s, m in zip(sets, live)])
+    k = np.concatenate([s[1][m] + off for s, m, off in zip(sets, live, key_offsets)])
+    t = np.concatenate([s[2][m] for s, m in zip(sets, live)])
+    return pad_slices(rank, q, k, t, sets[0][0].shape[0])
 
 
 # ---------------------------------------------------------------------------------------------------------
