@@ -36,6 +36,11 @@ def cuda_shared_library(name, out, srcs, hdrs = [], include_dirs = [], system_in
         ["-I" + d for d in [_source_dir(here)] + [_source_dir(Label(l)) for l in include_dirs]] +
         ["-isystem " + _source_dir(Label(l)) for l in system_include_dirs],
     )
+    # nvcc names its temporaries after its pid (/tmp/tmpxft_<pid>_...); in the sandbox every action is pid 2
+    # of its own namespace and /tmp is shared, so parallel actions overwrote each other's files ("ptxas
+    # fatal: Input file ... could not be opened"). Each run gets its own TMPDIR.
+    nvcc = "T=$$(mktemp -d) && TMPDIR=$$T %s" % NVCC
+    cleanup = "; s=$$?; rm -rf $$T; exit $$s"
     objects = []
     for src in srcs:
         stem = src.rsplit("/", 1)[-1].rsplit(".", 1)[0]
@@ -44,7 +49,7 @@ def cuda_shared_library(name, out, srcs, hdrs = [], include_dirs = [], system_in
             name = "%s_%s_o" % (name, stem),
             srcs = [src] + hdrs,
             outs = [obj],
-            cmd = "%s -c %s %s -o $@ $(location %s)" % (NVCC, " ".join(copts), includes, src),
+            cmd = "%s -c %s %s -o $@ $(location %s)%s" % (nvcc, " ".join(copts), includes, src, cleanup),
             message = "nvcc %s" % src,
             visibility = ["//visibility:private"],
         )
@@ -53,7 +58,7 @@ def cuda_shared_library(name, out, srcs, hdrs = [], include_dirs = [], system_in
         name = name + "_link",
         srcs = objects,
         outs = [out],
-        cmd = "%s -shared %s -o $@ $(SRCS)" % (NVCC, " ".join(linkopts)),
+        cmd = "%s -shared %s -o $@ $(SRCS)%s" % (nvcc, " ".join(linkopts), cleanup),
         message = "nvcc -shared " + out,
         visibility = ["//visibility:private"],
     )
