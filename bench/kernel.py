@@ -3,8 +3,8 @@ q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA 
 
 bf16, 16 heads, head dim 128 (256 for the `_d256` case), batch 1 packed. TFLOP/s count the unmasked area
 only: forward 4 * area * H * D, forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
-of sum(out), forward included, as in ../shared/peers. `ffa_sm90` is FFA with the sm90 kernels (TMA + wgmma,
-forward and backward; MAGI_JAX_FFA_KERNEL=sm90, set only while its own calls run). Every implementation's
+of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
+`ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run). Every implementation's
 output (and dq) is compared with FFA's before it is timed. The last lines check the targets of the speed
 issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
@@ -70,11 +70,11 @@ def ffa(mask: AttnMask, deterministic: bool = False) -> Callable:
 
 
 # Implementations that are FFA with a kernel chosen by environment variables the handler reads at every call
-# (cuda/handlers.cu, cuda/launch_fwd_sm90.cu). ffa_sm90_grid: the sm90 forward without its persistent
+# (cuda/handlers.cu, cuda/launch_fwd_sm90.cu). ffa_grid: the sm90 forward without its persistent
 # longest-first scheduler (one CTA per tile), to measure the scheduler's share.
 FFA_KERNELS = {
-    "ffa_sm90": {"MAGI_JAX_FFA_KERNEL": "sm90"},
-    "ffa_sm90_grid": {"MAGI_JAX_FFA_KERNEL": "sm90", "MAGI_JAX_SM90_SCHED": "grid"},
+    "ffa_mma": {"MAGI_JAX_FFA_KERNEL": "mma"},
+    "ffa_grid": {"MAGI_JAX_SM90_SCHED": "grid"},
 }
 KERNEL_ENVS = sorted({name for env in FFA_KERNELS.values() for name in env})
 
@@ -251,17 +251,17 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
     return {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
 
 
-COLUMNS = ("ffa", "ffa_sm90", "ffa_sm90_grid", "ffa_det", "cudnn", "tokamax", "xla_dense")
+COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_det", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:
     by = measured(results)
     cases = list(dict.fromkeys(r["case"] for r in results))
     present = [c for c in COLUMNS if any(r["impl"] == c for r in results if "tflops" in r)]
-    sm90 = "ffa_sm90" in present
+    mma = "ffa_mma" in present
     head = ("| case | pass | " + " | ".join(f"{c} TFLOP/s (ms)" for c in present) + " | ffa / cudnn |" +
-            (" ffa_sm90 / cudnn |" if sm90 else ""))
-    lines = [head, "|" + "---|" * (len(present) + 3 + sm90)]
+            (" ffa_mma / cudnn |" if mma else ""))
+    lines = [head, "|" + "---|" * (len(present) + 3 + mma)]
     for case in cases:
         for mode in ("fwd", "fwd+bwd"):
             cells = []
@@ -270,7 +270,7 @@ def table(results: list[dict]) -> str:
                 cells.append(f"{r['tflops']} ({r['ms']})" if r else "-")
             c = by.get((case, "cudnn", mode))
             ratios = []
-            for impl in ("ffa", "ffa_sm90") if sm90 else ("ffa",):
+            for impl in ("ffa", "ffa_mma") if mma else ("ffa",):
                 f = by.get((case, impl, mode))
                 ratios.append(f"{f['tflops'] / c['tflops']:.2f}" if f and c else "-")
             lines.append(f"| {case} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
@@ -282,7 +282,7 @@ def speed_bar(results: list[dict]) -> str:
     parts = []
     for mode, bar in (("fwd", 0.5), ("fwd+bwd", 0.4)):
         c = by.get(("varlen_causal_64k", "cudnn", mode))
-        for impl in ("ffa", "ffa_sm90"):
+        for impl in ("ffa", "ffa_mma"):
             f = by.get(("varlen_causal_64k", impl, mode))
             if f and c:
                 ratio = f["tflops"] / c["tflops"]
@@ -353,9 +353,9 @@ def versions() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
-    parser.add_argument("--impls", nargs="*", default=["ffa", "ffa_sm90", "cudnn", "tokamax", "xla_dense"],
-                        help="implementations; ffa_det adds FFA with deterministic=True, ffa_sm90 is FFA with the "
-                             "sm90 forward, ffa_sm90_grid the same without its persistent scheduler")
+    parser.add_argument("--impls", nargs="*", default=["ffa", "ffa_mma", "cudnn", "tokamax", "xla_dense"],
+                        help="implementations; ffa_det adds FFA with deterministic=True, ffa_mma is FFA with the "
+                             "mma.sync kernels, ffa_grid the sm90 forward without its persistent scheduler")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args()
     device = jax.devices()[0]
@@ -368,8 +368,7 @@ def main() -> None:
         run_case(case, args.impls, results)
     text = table(results)
     bar = speed_bar(results)
-    impl = "ffa_sm90" if any(r["impl"] == "ffa_sm90" for r in results) else "ffa"
-    bar += "\n\n" + target_check(results, impl)
+    bar += "\n\n" + target_check(results, "ffa")
     print("\n" + text + "\n\n" + bar, flush=True)
     command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     section = (f"\n## Kernel, one GPU ({datetime.date.today().isoformat()})\n\n{device.device_kind}; {versions()}; "

@@ -1,34 +1,27 @@
 #!/bin/bash
-# One call on the GPU machine: build the package (CPU module + libmagi_jax_cuda.so), run the GPU tests, run
-# the kernel benchmark. Logs and JSON go to $OUT. Knobs: TESTS (pytest args), BENCH_ARGS, *_TIMEOUT,
-# SKIP_TESTS, SKIP_BENCH, TEST_WORKERS.
-#
-# SUITE=sm90 (the sm90 forward and dK/dV backward, cuda/NOTES.md "sm90 path"): the unit check of the
-# building blocks, the smoke tests (forward and backward) under a hard timeout (a barrier bug hangs instead
-# of failing; its log says so), then tests/test_ffa_sm90_gpu.py (the whole GPU suite with
-# MAGI_JAX_FFA_KERNEL=sm90, plus its own tests), then the bench with the ffa_sm90 column.
-# QUICK=1: only the quick subset of that file (what is new plus each mask type, GQA, softcap, both head
-# dims and dtypes, and the head dim 256 tests), tests and bench 170 s each,
-# 8 workers, so that the whole call fits in 10 minutes.
-#   SUITE=sm90 QUICK=1 bash cuda/device_run.sh  # the next session's one command (about 7-9 minutes)
+# One call on the GPU machine: build the package (CPU module + libmagi_jax_cuda.so), the unit check of the sm90
+# building blocks (TMA + swizzle + descriptors + wgmma + TMA store, no JAX), the smoke tests under a hard
+# timeout (a barrier bug hangs instead of failing; its log says so), the GPU tests, then the kernel benchmark.
+# Logs and JSON go to $OUT.
+# Tests: tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py (the default sm90 kernels); MMA=1 adds
+# tests/test_ffa_mma_gpu.py (the same suite on the mma.sync kernels). QUICK=1: only a subset (what is
+# particular to sm90, each mask type, GQA, softcap, both dtypes, head dim 256), tests and bench 170 s each.
+# Knobs: TESTS (pytest args), TEST_FILES, BENCH_ARGS, *_TIMEOUT, SKIP_TESTS, SKIP_BENCH, TEST_WORKERS.
+#   QUICK=1 bash cuda/device_run.sh             # about 5 minutes
+#   SKIP_BENCH=1 MMA=1 TEST_WORKERS=8 bash cuda/device_run.sh   # every kernel test, both kernel families
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
-SUITE=${SUITE:-default}
-if [ "$SUITE" = sm90 ]; then
-  TEST_FILES=${TEST_FILES:-tests/test_ffa_sm90_gpu.py}
-  BENCH_ARGS=${BENCH_ARGS:---impls ffa ffa_sm90 cudnn}
-  TEST_TIMEOUT=${TEST_TIMEOUT:-270}
-  BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
-  if [ "${QUICK:-0}" = 1 ]; then
-    QUICK_K="persistent or repeatable or agree or (each_type_alone and 128-bfloat16) or mixed_types or (gqa and 8-2) or softcap or 256"
-    TESTS=${TESTS:-"-k '$QUICK_K'"}
-    TEST_TIMEOUT=${TEST_TIMEOUT_QUICK:-170}
-    BENCH_TIMEOUT=${BENCH_TIMEOUT_QUICK:-170}
-    TEST_WORKERS=${TEST_WORKERS:-8}
-  fi
-else
-  TEST_FILES=${TEST_FILES:-tests/test_ffa_gpu.py}
+TEST_FILES=${TEST_FILES:-"tests/test_ffa_sm90_gpu.py tests/test_ffa_gpu.py$([ "${MMA:-0}" = 1 ] && echo ' tests/test_ffa_mma_gpu.py')"}
+BENCH_ARGS=${BENCH_ARGS:---impls ffa ffa_mma cudnn}
+TEST_TIMEOUT=${TEST_TIMEOUT:-360}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+if [ "${QUICK:-0}" = 1 ]; then
+  QUICK_K="persistent or repeatable or agree or (each_type_alone and 128-bfloat16) or mixed_types or (gqa and 8-2) or softcap or 256"
+  TESTS=${TESTS:-"-k '$QUICK_K'"}
+  TEST_TIMEOUT=${TEST_TIMEOUT_QUICK:-170}
+  BENCH_TIMEOUT=${BENCH_TIMEOUT_QUICK:-170}
+  TEST_WORKERS=${TEST_WORKERS:-8}
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv \
   > "$OUT/gpu.txt" 2>&1
@@ -36,29 +29,27 @@ t0=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || {
   echo "build failed"; tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-if [ "$SUITE" = sm90 ]; then
-  # The building blocks alone (TMA + swizzle + descriptors + wgmma + TMA store), no JAX: seconds.
-  nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icuda cuda/tools/sm90_unit.cu -o /tmp/sm90_unit \
-    > "$OUT/unit.log" 2>&1 && timeout -k 5 60 /tmp/sm90_unit >> "$OUT/unit.log" 2>&1
-  echo "unit: rc $?"; tail -5 "$OUT/unit.log"
-  # Head dims 64/128 first (a failure or hang stops the call), then head dim 256 apart (reported only).
-  smoke() {  # smoke NAME K_EXPRESSION
-    local t0=$(date +%s)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SMOKE_TIMEOUT:-150}" python3 -m pytest -q -x -rfE \
-      -p no:cacheprovider -s tests/test_ffa_sm90_gpu.py -k "$2" > "$OUT/$1.log" 2>&1
-    local rc=$?
-    echo "$1: rc $rc in $(( $(date +%s) - t0 )) s$([ $rc = 124 ] && echo ' (TIMED OUT: a hang, see NOTES.md sm90 debugging)')"
-    tail -12 "$OUT/$1.log"
-    return $rc
-  }
-  smoke smoke "smoke and not 256" || exit 1
-  smoke smoke_d256 "smoke and 256"
-fi
+# The building blocks alone, no JAX: seconds.
+nvcc -std=c++17 -O2 -gencode=arch=compute_90a,code=sm_90a -Icuda cuda/tools/sm90_unit.cu -o /tmp/sm90_unit \
+  > "$OUT/unit.log" 2>&1 && timeout -k 5 60 /tmp/sm90_unit >> "$OUT/unit.log" 2>&1
+echo "unit: rc $?"; tail -5 "$OUT/unit.log"
+# Head dims 64/128 first (a failure or hang stops the call), then head dim 256 apart (reported only).
+smoke() {  # smoke NAME K_EXPRESSION
+  local t0=$(date +%s)
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${SMOKE_TIMEOUT:-150}" python3 -m pytest -q -x -rfE \
+    -p no:cacheprovider -s tests/test_ffa_sm90_gpu.py -k "$2" > "$OUT/$1.log" 2>&1
+  local rc=$?
+  echo "$1: rc $rc in $(( $(date +%s) - t0 )) s$([ $rc = 124 ] && echo ' (TIMED OUT: a hang, see NOTES.md sm90 debugging)')"
+  tail -12 "$OUT/$1.log"
+  return $rc
+}
+smoke smoke "smoke and not 256" || exit 1
+smoke smoke_d256 "smoke and 256"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   eval "TEST_ARGS=(${TESTS:-})"  # TESTS may hold a quoted -k expression
   t0=$(date +%s)
   # -v: every test's name and outcome is in the log even when the timeout cuts the run short.
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-360}" python3 -m pytest -v -rfE -n "${TEST_WORKERS:-4}" \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "$TEST_TIMEOUT" python3 -m pytest -v -rfE -n "${TEST_WORKERS:-4}" \
     -p no:cacheprovider --timeout 240 --durations=12 -s $TEST_FILES "${TEST_ARGS[@]}" > "$OUT/tests.log" 2>&1
   echo "tests: rc $? in $(( $(date +%s) - t0 )) s;" \
     "$(grep -c ' PASSED ' "$OUT/tests.log") passed, $(grep -cE ' (FAILED|ERROR) ' "$OUT/tests.log") failed"
@@ -67,7 +58,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   t0=$(date +%s)
-  timeout "${BENCH_TIMEOUT:-300}" python3 bench/kernel.py --no-append ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+  timeout "$BENCH_TIMEOUT" python3 bench/kernel.py --no-append $BENCH_ARGS > "$OUT/bench.log" 2>&1
   echo "bench: rc $? in $(( $(date +%s) - t0 )) s"
   sed -n '/^| case/,$p' "$OUT/bench.log"
 fi

@@ -79,14 +79,17 @@ struct ListSizes {
   size_t Bytes() const { return Carver::Round((num_blocks + 1) * 8) + Carver::Round(capacity * 4); }
 };
 
-// MAGI_JAX_FFA_KERNEL=sm90 selects the TMA + wgmma forward and dK/dV kernels (launch_{fwd,bwd}_sm90.cu);
-// anything else, or unset,
-// the mma.sync kernels. Read at every call (a getenv), like the capacity below, so that one process can
-// compare both (bench/kernel.py) and tests can switch it.
-enum class FwdKernel { kMmaSync, kSm90 };
-FwdKernel ForwardKernel() {
+// The sm90 kernels (TMA + wgmma forward and dK/dV, launch_{fwd,bwd}_sm90.cu) by default;
+// MAGI_JAX_FFA_KERNEL=mma selects the mma.sync ones (also the fallback where the sm90 launch declines an
+// input). Read at every call (a getenv), like the capacity below, so that one process can compare both
+// (bench/kernel.py) and tests can switch it; an unknown value is an error, not a silent default.
+enum class FfaKernel { kMmaSync, kSm90 };
+ffi::ErrorOr<FfaKernel> SelectedKernel() {
   const char* env = std::getenv("MAGI_JAX_FFA_KERNEL");
-  return env != nullptr && std::string(env) == "sm90" ? FwdKernel::kSm90 : FwdKernel::kMmaSync;
+  const std::string name = env == nullptr ? "" : env;
+  if (name.empty() || name == "sm90") return FfaKernel::kSm90;
+  if (name == "mma") return FfaKernel::kMmaSync;
+  return ffi::Error::InvalidArgument("MAGI_JAX_FFA_KERNEL: '" + name + "' is not a kernel (sm90 or mma)");
 }
 
 // Head dim 256 has one CUDA forward, the sm90 one (TMA + wgmma; the mma.sync forward has no D 256 tile: its
@@ -156,7 +159,9 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
   const ListSizes q_sizes = SizeLists(dims->tq, kQBlock, dims->num_slices);
-  const bool sm90 = sm90_only || ForwardKernel() == FwdKernel::kSm90;
+  const auto kernel = SelectedKernel();
+  if (kernel.has_error()) return kernel.error();
+  const bool sm90 = sm90_only || *kernel == FfaKernel::kSm90;
   const size_t sm90_bytes = sm90 ? Carver::Round(FwdSm90ScratchInts(dims->tq) * 4) : 0;
   auto carver_or = Carver::Allocate(scratch, q_sizes.Bytes() + sm90_bytes);
   if (!carver_or.has_value())
@@ -234,7 +239,9 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   }
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
-  const bool sm90 = sm90_only || ForwardKernel() == FwdKernel::kSm90;
+  const auto kernel = SelectedKernel();
+  if (kernel.has_error()) return kernel.error();
+  const bool sm90 = sm90_only || *kernel == FfaKernel::kSm90;
   const int64_t rows = dims->tq * dims->hq;
   const ListSizes k_sizes = SizeLists(dims->tk, kKBlock, dims->num_slices);
   const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
@@ -309,7 +316,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     if (deterministic) {
       if (cudaError_t err = LaunchBwdDq<T, D>(p, stream); err != cudaSuccess) return CudaFailure("dq", err);
     }
-    // MAGI_JAX_FFA_KERNEL=sm90: the TMA + wgmma dK/dV kernel (dQ by TMA reduce-add unless deterministic; the
+    // Default (sm90): the TMA + wgmma dK/dV kernel (dQ by TMA reduce-add unless deterministic; the
     // deterministic dq is the mma.sync dq kernel above). cudaErrorNotSupported: nothing enqueued, the
     // mma.sync dk/dv kernel runs.
     cudaError_t dkdv = cudaErrorNotSupported;

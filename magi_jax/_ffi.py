@@ -22,6 +22,11 @@ CUDA_SYMBOLS = {FFA_FWD: "MagiFfaFwdCuda", FFA_BWD: "MagiFfaBwdCuda", RANGE_GATH
                 RANGE_SCATTER_ADD_INTO: "MagiRangeScatterAddIntoCuda"}
 CUDA_LIBRARY = "libmagi_jax_cuda.so"
 
+# The CUDA kernels' switch, read by the handlers at every call: unset or "sm90" the TMA + wgmma kernels,
+# "mma" the mma.sync ones (cuda/handlers.cu).
+KERNEL_ENV = "MAGI_JAX_FFA_KERNEL"
+KERNELS = ("sm90", "mma")
+
 
 def _cuda_library_path() -> pathlib.Path | None:
     """MAGI_JAX_CUDA_LIB, else the library installed beside this file by the CMake build."""
@@ -72,6 +77,13 @@ def match_varying(outs, *inputs) -> tuple:
         missing = tuple(sorted(axes - varying_axes(y)))
         return jax.lax.pcast(y, missing, to="varying") if missing else y
     return tuple(cast(y) for y in outs)
+
+
+def check_kernel_env() -> None:
+    """A mistyped kernel switch fails here, at trace time and on every platform, not at the GPU call."""
+    value = os.environ.get(KERNEL_ENV, "")
+    if value and value not in KERNELS:
+        raise ValueError(f"{KERNEL_ENV}: {value!r} is not a kernel; use one of {KERNELS} or leave it unset")
 
 
 def call(target: str, results, *args, **attrs) -> tuple:

@@ -96,6 +96,7 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
 
 
 def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap):
+    _ffi.check_kernel_env()
     return _ffi.call(
         _ffi.FFA_FWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
@@ -115,6 +116,7 @@ def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, determi
 def _ffa_bwd(scale, softcap, deterministic, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
+    _ffi.check_kernel_env()
     dq, dk, dv = _ffi.call(
         _ffi.FFA_BWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),

@@ -26,22 +26,22 @@ def row(case, impl, mode, tflops):
 
 def test_target_check_ratio_absolute_and_missing(kernel_bench):
     results = [
-        row("causal_32k", "ffa_sm90", "fwd", 600.0), row("causal_32k", "cudnn", "fwd", 580.0),
+        row("causal_32k", "ffa", "fwd", 600.0), row("causal_32k", "cudnn", "fwd", 580.0),
         row("causal_32k", "tokamax", "fwd", 620.0),                     # the best peer decides: 0.97x
-        row("causal_32k", "ffa_sm90", "fwd+bwd", 580.0), row("causal_32k", "cudnn", "fwd+bwd", 570.0),
-        row("varlen_swa1024_32k", "ffa_sm90", "fwd", 501.0),
-        row("varlen_swa1024_32k", "ffa_sm90", "fwd+bwd", 399.0),
+        row("causal_32k", "ffa", "fwd+bwd", 580.0), row("causal_32k", "cudnn", "fwd+bwd", 570.0),
+        row("varlen_swa1024_32k", "ffa", "fwd", 501.0),
+        row("varlen_swa1024_32k", "ffa", "fwd+bwd", 399.0),
     ]
-    text = kernel_bench.target_check(results, "ffa_sm90")
-    assert text.splitlines()[0] == "issue 4 targets for ffa_sm90: 2 of 4 met"
+    text = kernel_bench.target_check(results, "ffa")
+    assert text.splitlines()[0] == "issue 4 targets for ffa: 2 of 4 met"
     assert "causal_32k fwd: 0.97x cudnn/tokamax (target 1.0x): MISSED" in text
     assert "causal_32k fwd+bwd: 1.02x cudnn (target 1.0x): met" in text
     assert "varlen_swa1024_32k fwd: 501.0 TFLOP/s (target 500): met" in text
     assert "varlen_swa1024_32k fwd+bwd: 399.0 TFLOP/s (target 400): MISSED" in text
     # A case absent from the run is not counted; an implementation that failed is a miss.
     assert "varlen_causal_64k" not in text
-    failed = kernel_bench.target_check([row("causal_4k_x8", "cudnn", "fwd", 500.0)], "ffa_sm90")
-    assert failed.splitlines()[0] == "issue 4 targets for ffa_sm90: 0 of 2 met"
+    failed = kernel_bench.target_check([row("causal_4k_x8", "cudnn", "fwd", 500.0)], "ffa")
+    assert failed.splitlines()[0] == "issue 4 targets for ffa: 0 of 2 met"
     assert "causal_4k_x8 fwd: not measured (MISSED)" in failed
 
 

@@ -203,6 +203,17 @@ def test_bad_ranges_name_the_argument(ranges, match):
         mj.flex_flash_attn(*_qkv(), **ranges)
 
 
+def test_mistyped_kernel_switch_names_the_variable(monkeypatch):
+    # The CUDA handlers read MAGI_JAX_FFA_KERNEL; a typo must not silently pick a kernel, on any platform.
+    monkeypatch.setenv("MAGI_JAX_FFA_KERNEL", "sm_90")
+    with pytest.raises(ValueError, match="^MAGI_JAX_FFA_KERNEL: 'sm_90' is not a kernel"):
+        mj.flex_flash_attn(*_qkv(), **OK_RANGES)
+    for value in ("sm90", "mma", ""):
+        monkeypatch.setenv("MAGI_JAX_FFA_KERNEL", value)
+        out, _ = mj.flex_flash_attn(*_qkv(), **OK_RANGES)
+        assert np.isfinite(np.asarray(out)).all()
+
+
 def test_bad_mask_argument():
     with pytest.raises(ValueError, match="^q: has 16 tokens but the mask expects 20"):
         mj.flex_flash_attn(*_qkv(), mask=masks.causal(20, 16))

@@ -151,6 +151,14 @@ def test_scan_path_when_slice_lists_overflow(monkeypatch):
         run_case(mask, hq=4, hkv=2, deterministic=deterministic, seed=9)
 
 
+def test_head_dim_256_scan_path_when_slice_lists_overflow(monkeypatch):
+    # The same at head dim 256 (its own forward and split-D backward, deterministic=False only).
+    rng = np.random.default_rng(10)
+    mask = random_mask(rng, 200, 900, 700, max_len=250)
+    monkeypatch.setenv("MAGI_JAX_CUDA_LIST_CAPACITY", "0")
+    run_case(mask, hq=4, hkv=2, d=256, seed=10)
+
+
 def _grads_fn(mask, deterministic):
     def f(q, k, v, dout, dlse):
         (out, lse), vjp = jax.vjp(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask,

@@ -1,21 +1,17 @@
-"""The sm90 kernels (TMA + wgmma: cuda/flash_fwd_sm90_kernel.h, cuda/flash_bwd_sm90_kernel.h) through the
-whole GPU suite.
-
-MAGI_JAX_FFA_KERNEL=sm90 selects both the forward and the dK/dV kernel of the backward (atomic dQ; with
-deterministic=True the dq is the mma.sync dq kernel's); the handler reads the variable at every call, so an
-autouse fixture setting it runs every test of tests/test_ffa_gpu.py (imported below, gradients included) on
-the new kernels. The tests added here exercise what is new: the persistent grid with many more tiles than
-SMs, the longest-first order, bitwise reproducibility of the forward and of the deterministic backward, and
-agreement of both with the mma.sync kernels.
+"""What is particular to the sm90 kernels (TMA + wgmma: cuda/flash_fwd_sm90_kernel.h,
+cuda/flash_bwd_sm90_kernel.h), the default CUDA kernels: the persistent grid with many more tiles than SMs, the
+longest-first order, bitwise reproducibility of the forward and of the deterministic backward, agreement of
+both with the mma.sync kernels (MAGI_JAX_FFA_KERNEL=mma). The whole GPU suite runs on the sm90 kernels in
+tests/test_ffa_gpu.py, and on the mma.sync ones in tests/test_ffa_mma_gpu.py.
 
 Run first, alone, with a hard timeout (a barrier bug hangs rather than fails):
     timeout 120 python -m pytest -q -x tests/test_ffa_sm90_gpu.py -k smoke
-A quick subset (32 tests: what is new plus each mask type, GQA, softcap, both head dims and dtypes;
-cuda/device_run.sh QUICK=1):
-    python -m pytest -q tests/test_ffa_sm90_gpu.py -k "smoke or persistent or repeatable or agree or (each_type_alone and 128-bfloat16) or mixed_types or (gqa and 8-2) or softcap"
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +22,7 @@ import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
 from tests.conftest import random_qkv
-from tests.test_ffa_gpu import *  # noqa: F401,F403  (every GPU test, collected again under the sm90 forward)
-from tests.test_ffa_gpu import _on_gpu, run_case  # noqa: F401  (the module fixture; star imports skip _names)
+from tests.test_ffa_gpu import _on_gpu, run_case  # noqa: F401  (the module's skip-without-GPU fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -35,25 +30,30 @@ ENV = "MAGI_JAX_FFA_KERNEL"
 
 
 @pytest.fixture(autouse=True)
-def _sm90_forward(monkeypatch):
-    monkeypatch.setenv(ENV, "sm90")
+def _sm90_kernels(monkeypatch):
+    monkeypatch.setenv(ENV, "sm90")  # the default, said explicitly: these tests are about these kernels
+
+
+@contextlib.contextmanager
+def _kernel(name: str):
+    """MAGI_JAX_FFA_KERNEL=name for the calls inside (the handlers read it at every call)."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
 
 
 def _forward(mask, q, k, v, kernel):
-    """out, lse of the forward with the kernel named (None: the default mma.sync one)."""
-    import os
-    old = os.environ.pop(ENV, None)
-    if kernel is not None:
-        os.environ[ENV] = kernel
-    try:
-        qr, kr, types = mask.kernel_args()
-        f = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, qr, kr, types))
-        out, lse = f(q, k, v)
+    """out, lse of the forward with the kernel named ("sm90" or "mma")."""
+    qr, kr, types = mask.kernel_args()
+    with _kernel(kernel):
+        out, lse = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, qr, kr, types))(q, k, v)
         return np.asarray(out, np.float32), np.asarray(lse)
-    finally:
-        os.environ.pop(ENV, None)
-        if old is not None:
-            os.environ[ENV] = old
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -63,7 +63,7 @@ def test_smoke_sm90_forward_matches_mma_sync(d):
     rng = np.random.default_rng(d)
     q, k, v = random_qkv(rng, 333, 400, 4, 2, d, jnp.bfloat16)
     out, lse = _forward(mask, q, k, v, "sm90")
-    ref_out, ref_lse = _forward(mask, q, k, v, None)
+    ref_out, ref_lse = _forward(mask, q, k, v, "mma")
     np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=2e-3)
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=2e-2)
 
@@ -119,7 +119,7 @@ def test_agrees_with_mma_sync_forward_on_a_long_mask(dtype):
     rng = np.random.default_rng(13)
     q, k, v = random_qkv(rng, 8192, 8192, 4, 4, 128, dtype)
     out, lse = _forward(mask, q, k, v, "sm90")
-    ref_out, ref_lse = _forward(mask, q, k, v, None)
+    ref_out, ref_lse = _forward(mask, q, k, v, "mma")
     # Both are fp32-accumulated flash attention over the same tiles: bf16/fp16 rounding of P differs only
     # through the order of the key tiles' max updates, far inside the dtype's resolution.
     np.testing.assert_allclose(lse, ref_lse, rtol=0, atol=1e-3)
@@ -128,25 +128,17 @@ def test_agrees_with_mma_sync_forward_on_a_long_mask(dtype):
 
 
 def _gradients(mask, q, k, v, kernel, deterministic=False):
-    """out, dq, dk, dv (float32 numpy) of one forward + backward with the kernel named (None: mma.sync)."""
-    import os
-    old = os.environ.pop(ENV, None)
-    if kernel is not None:
-        os.environ[ENV] = kernel
-    try:
-        qr, kr, types = mask.kernel_args()
-        do = jnp.asarray(np.random.default_rng(99).standard_normal(q.shape), q.dtype)
+    """out, dq, dk, dv (float32 numpy) of one forward + backward with the kernel named ("sm90" or "mma")."""
+    qr, kr, types = mask.kernel_args()
+    do = jnp.asarray(np.random.default_rng(99).standard_normal(q.shape), q.dtype)
 
-        def loss(q, k, v):
-            out, _ = mj.flex_flash_attn(q, k, v, qr, kr, types, deterministic=deterministic)
-            return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
+    def loss(q, k, v):
+        out, _ = mj.flex_flash_attn(q, k, v, qr, kr, types, deterministic=deterministic)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32)), out
 
+    with _kernel(kernel):
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
         return [np.asarray(x, np.float32) for x in (out, *grads)]
-    finally:
-        os.environ.pop(ENV, None)
-        if old is not None:
-            os.environ[ENV] = old
 
 
 def _assert_close_rel(a, b, tol, what):
@@ -163,7 +155,7 @@ def test_smoke_sm90_backward_matches_mma_sync(d, deterministic):
     rng = np.random.default_rng(d + 7)
     q, k, v = random_qkv(rng, 333, 400, 4, 2, d, jnp.bfloat16)
     got = _gradients(mask, q, k, v, "sm90", deterministic)
-    ref = _gradients(mask, q, k, v, None, deterministic)
+    ref = _gradients(mask, q, k, v, "mma", deterministic)
     for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):
         _assert_close_rel(a, b, 1e-2, name)
 
@@ -188,7 +180,7 @@ def test_sm90_backward_agrees_with_mma_sync_on_a_long_mask(dtype, deterministic)
     rng = np.random.default_rng(23)
     q, k, v = random_qkv(rng, 8192, 8192, 8, 4, 128, dtype)
     got = _gradients(mask, q, k, v, "sm90", deterministic)
-    ref = _gradients(mask, q, k, v, None, deterministic)
+    ref = _gradients(mask, q, k, v, "mma", deterministic)
     # Both accumulate in fp32 over the same cells; P^T / dS^T are rounded to the dtype in both. The atomic
     # dq differs in summation order only.
     for name, a, b in zip(["out", "dq", "dk", "dv"], got, ref):

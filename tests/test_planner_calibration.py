@@ -11,7 +11,7 @@ import pytest
 
 from magi_jax.planner import CostModel, make_plan
 from magi_jax.planner.cli import plan_main, simulate_main
-from magi_jax.planner.stages import finish_times, load_calibration, save_calibration
+from magi_jax.planner.stages import finish_times, load_calibration, save_calibration, stored_calibrations
 from magi_jax.planner.workloads import sample_doc_lengths, varlen_mask
 
 MODEL = CostModel(flops_per_s=300e12, bytes_per_s=200e9, collective_latency_s=30e-6, launch_s=12e-6, dtype_bytes=2)
@@ -105,6 +105,16 @@ def test_plan_block_causal_reads_the_varlen_block_causal_class(tmp_path, capsys)
     path = save_calibration(tmp_path / "c.json", {"varlen_block_causal": SLOW, "varlen_causal": MODEL})
     assert plan_main(["--mask", "block_causal", "--seqlen", "16k", "--cp", "2", "--calibration", str(path)]) == 0
     assert "[varlen_block_causal]" in capsys.readouterr().out
+
+
+def test_stored_calibration_loads_by_name(capsys):
+    # The 2 x H200 calibration measured by bench/calibrate.py ships with the package (BENCHMARKS.md).
+    assert "NVIDIA_H200_x2" in stored_calibrations()
+    models, meta = load_calibration("NVIDIA_H200_x2")
+    assert {"varlen_causal", "varlen_full", "varlen_block_causal"} <= set(models)
+    assert all(100e12 < m.flops_per_s < 1000e12 for m in models.values())   # H200 bf16 attention rates
+    assert plan_main(["--seqlen", "64k", "--cp", "2", "--calibration", "NVIDIA_H200_x2"]) == 0
+    assert "cost model: NVIDIA_H200_x2 [varlen_causal]" in capsys.readouterr().out
 
 
 def _simulate_tflops(out: str) -> float:

@@ -14,7 +14,7 @@ from magi_jax.mask import AttnMask
 from magi_jax.planner.geometry import clip
 from magi_jax.planner.plan import DistAttnPlan, make_plan
 from magi_jax.planner.solvers import DEFAULT_SOLVER, SOLVERS
-from magi_jax.planner.stages import MAX_DEGREE, CostModel
+from magi_jax.planner.stages import MAX_DEGREE, CostModel, stored_calibrations
 from magi_jax.planner.workloads import sample_doc_lengths, varlen_mask
 
 
@@ -92,7 +92,8 @@ def _common(p: argparse.ArgumentParser, mask_class_default: str) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--overlap", type=_overlap, default="auto", help="stages: auto or 0..8")
     p.add_argument("--calibration", default=None, help="cost model rates from a calibration file "
-                   "(bench/calibrate.py; default: the built-in H200 estimates)")
+                   f"(bench/calibrate.py) or a stored one by name {stored_calibrations()} "
+                   "(default: the built-in H200 estimates)")
     p.add_argument("--mask-class", default=None, help=f"the file's mask class to use (default: {mask_class_default})")
 
 

@@ -93,14 +93,26 @@ def save_calibration(path: str | os.PathLike, models: Mapping[str, CostModel], *
     return path
 
 
+# Calibrations measured on the lent machines (bench/calibrate.py), loadable by name: "NVIDIA_H200_x2".
+STORED_CALIBRATIONS = pathlib.Path(__file__).parent / "calibration"
+
+
+def stored_calibrations() -> list[str]:
+    """The names of the calibration files shipped with the package."""
+    return sorted(p.stem for p in STORED_CALIBRATIONS.glob("*.json"))
+
+
 def load_calibration(path: str | os.PathLike) -> tuple[dict[str, CostModel], dict[str, Any]]:
-    """(models by mask class, the other top-level entries) of a file written by ``save_calibration``; a
-    missing file, bad JSON or a missing, unknown or non-positive field is a ValueError naming the file."""
+    """(models by mask class, the other top-level entries) of a file written by ``save_calibration``, or of a
+    stored one named without folder or suffix (``stored_calibrations()``); a missing file, bad JSON or a
+    missing, unknown or non-positive field is a ValueError naming the file."""
+    if not pathlib.Path(path).exists() and str(path) in stored_calibrations():
+        path = STORED_CALIBRATIONS / f"{path}.json"
     where = f"calibration file {path}"
     try:
         doc = json.loads(pathlib.Path(path).read_text())
     except FileNotFoundError:
-        raise ValueError(f"{where}: not found") from None
+        raise ValueError(f"{where}: not found (stored ones: {stored_calibrations()})") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{where}: not readable as JSON ({e})") from None
     classes = doc.get("classes") if isinstance(doc, dict) else None

@@ -1,0 +1,33 @@
+#!/bin/bash
+# Nsight Compute on one FFA kernel launch of a bench/kernel.py case (GPU machine, Firecracker runtime):
+# the full section set, then the details page and the SASS lines with the most warp-stall samples.
+#   bash cuda/tools/ncu_profile.sh causal_32k fwd FlashFwdSm90Kernel   # -> $OUT/ncu_<case>_<mode>.txt
+set -u
+CASE=$1 MODE=$2 KERNEL=$3
+OUT=${OUT:-/tmp/magi_out}
+REP=/tmp/ncu_${CASE}_${MODE}
+TXT="$OUT/ncu_${CASE}_${MODE}.txt"
+NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
+# Two warm-up calls each launch the kernel once (the forward) or once per pass: skip them, profile one.
+timeout "${NCU_TIMEOUT:-240}" "$NCU" --clock-control none --set full --import-source no -k "regex:$KERNEL" \
+  --launch-skip "${NCU_SKIP:-2}" --launch-count 1 -f -o "$REP" \
+  python3 cuda/tools/ncu_case.py "$CASE" "$MODE" > "$TXT" 2>&1
+echo "ncu $CASE $MODE: rc $?" | tee -a "$TXT"
+"$NCU" -i "$REP.ncu-rep" --page details >> "$TXT" 2>&1
+"$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$REP.sass.csv" 2>> "$TXT"
+python3 - "$REP.sass.csv" >> "$TXT" 2>&1 <<'PY'
+import csv, sys
+rows = list(csv.reader(open(sys.argv[1])))
+if not rows:
+    sys.exit("no source page")
+head, body = rows[0], rows[1:]
+print("source columns:", head)
+col = next((i for i, h in enumerate(head) if "Stall Sampling (All" in h), None)
+if col is None:
+    sys.exit("no stall-sampling column")
+num = lambda x: float(x.replace(",", "") or 0)
+total = sum(num(r[col]) for r in body if len(r) > col)
+print(f"{len(body)} SASS lines, {total:.0f} stall samples; the top 60:")
+for r in sorted(body, key=lambda r: -num(r[col]) if len(r) > col else 0)[:60]:
+    print(f"{num(r[col]) / total * 100:5.1f}%  " + " | ".join(r[:3]))
+PY

@@ -1,0 +1,18 @@
+"""The whole GPU suite of tests/test_ffa_gpu.py again on the mma.sync kernels (MAGI_JAX_FFA_KERNEL=mma): the
+fallback the handlers take where the sm90 launch declines an input, and the kernels for comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_ffa_gpu import *  # noqa: F401,F403  (every GPU test, collected again under the mma.sync kernels)
+from tests.test_ffa_gpu import _on_gpu  # noqa: F401  (the module's skip-without-GPU fixture; star skips _names)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _mma_sync_kernels(request, monkeypatch):
+    if "256" in request.node.name:
+        pytest.skip("head dim 256 has only the sm90 kernels (tests/test_ffa_gpu.py runs them)")
+    monkeypatch.setenv("MAGI_JAX_FFA_KERNEL", "mma")
