@@ -14,13 +14,14 @@ timeout "${NCU_TIMEOUT:-240}" "$NCU" --clock-control none --set full --import-so
   python3 cuda/tools/ncu_case.py "$CASE" "$MODE" > "$TXT" 2>&1
 echo "ncu $CASE $MODE: rc $?" | tee -a "$TXT"
 "$NCU" -i "$REP.ncu-rep" --page details >> "$TXT" 2>&1
-"$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$REP.sass.csv" 2>> "$TXT"
-python3 - "$REP.sass.csv" >> "$TXT" 2>&1 <<'PY'
+"$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${CASE}_${MODE}_sass.csv" 2>> "$TXT"
+python3 - "$OUT/ncu_${CASE}_${MODE}_sass.csv" >> "$TXT" 2>&1 <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 if not rows:
     sys.exit("no source page")
-head, body = rows[0], rows[1:]
+at = next((i for i, r in enumerate(rows) if any("Stall Sampling" in h for h in r)), 0)  # after a title row
+head, body = rows[at], rows[at + 1:]
 print("source columns:", head)
 col = next((i for i, h in enumerate(head) if "Stall Sampling (All" in h), None)
 if col is None:
