@@ -1,12 +1,13 @@
 #!/bin/bash
 # Nsight Compute on one FFA kernel launch of a bench/kernel.py case (GPU machine, Firecracker runtime):
 # the full section set, then the details page and the SASS lines with the most warp-stall samples.
-#   bash cuda/tools/ncu_profile.sh causal_32k fwd FlashFwdSm90Kernel   # -> $OUT/ncu_<case>_<mode>.txt
+#   bash cuda/tools/ncu_profile.sh causal_32k fwd FlashFwdSm90Kernel   # -> $OUT/ncu_<case>_<mode>.txt, _sass.csv
 set -u
 CASE=$1 MODE=$2 KERNEL=$3
 OUT=${OUT:-/tmp/magi_out}
-REP=/tmp/ncu_${CASE}_${MODE}
-TXT="$OUT/ncu_${CASE}_${MODE}.txt"
+TAG=${CASE}_${MODE/+/_}  # no "+" in file names
+REP=/tmp/ncu_$TAG
+TXT="$OUT/ncu_${TAG}.txt"
 NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
 # Two warm-up calls each launch the kernel once (the forward) or once per pass: skip them, profile one.
 timeout "${NCU_TIMEOUT:-240}" "$NCU" --clock-control none --set full --import-source no -k "regex:$KERNEL" \
@@ -14,8 +15,8 @@ timeout "${NCU_TIMEOUT:-240}" "$NCU" --clock-control none --set full --import-so
   python3 cuda/tools/ncu_case.py "$CASE" "$MODE" > "$TXT" 2>&1
 echo "ncu $CASE $MODE: rc $?" | tee -a "$TXT"
 "$NCU" -i "$REP.ncu-rep" --page details >> "$TXT" 2>&1
-"$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${CASE}_${MODE}_sass.csv" 2>> "$TXT"
-python3 - "$OUT/ncu_${CASE}_${MODE}_sass.csv" >> "$TXT" 2>&1 <<'PY'
+"$NCU" -i "$REP.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${TAG}_sass.csv" 2>> "$TXT"
+python3 - "$OUT/ncu_${TAG}_sass.csv" >> "$TXT" 2>&1 <<'PY'
 import csv, sys
 rows = list(csv.reader(open(sys.argv[1])))
 if not rows:
