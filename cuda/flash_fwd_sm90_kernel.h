@@ -37,6 +37,7 @@ namespace magi_jax::cuda {
 // Online softmax over the two rows a consumer thread holds, with the rescale of O split from the update so
 // that it can wait for the PV wgmma in flight.
 struct Sm90RowSoftmax {
+  static constexpr int kFmaExpEvery = 4;  // a quarter of the exponentials off MUFU (cuda/NOTES.md, v7)
   float m[2], l[2];
 
   MAGI_DEV Sm90RowSoftmax() {
@@ -44,24 +45,47 @@ struct Sm90RowSoftmax {
     l[0] = l[1] = 0.0f;
   }
 
+  // Max of a row's 2 NT values (half: which of the thread's two rows) as a pairwise tree: depth
+  // log2(2 NT) instead of a chain of 2 NT dependent FMNMX (17 deep at NT 16, on the softmax's critical path).
+  template <int NT>
+  MAGI_DEV static float RowMax(const float (&s)[NT][4], int half) {
+    float v[NT];
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) v[ni] = fmaxf(s[ni][2 * half], s[ni][2 * half + 1]);
+#pragma unroll
+    for (int w = 1; w < NT; w *= 2)
+#pragma unroll
+      for (int ni = 0; ni + w < NT; ni += 2 * w) v[ni] = fmaxf(v[ni], v[ni + w]);
+    return v[0];
+  }
+
   // s (raw logits, masked cells -inf) -> unnormalised probabilities; alpha is the factor O must take.
+  // Both rows' maxima first, their quad shuffles side by side, then the exponentials: row 1's reduction
+  // no longer waits for row 0's.
   template <int NT>
   MAGI_DEV void Update(float (&s)[NT][4], float scale_log2, float (&alpha)[2]) {
+    float mx[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) mx[half] = fmaxf(m[half], RowMax(s, half));
+#pragma unroll
+    for (int lane_mask = 1; lane_mask <= 2; lane_mask *= 2)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], lane_mask));
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float mx = m[half];
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni) mx = fmaxf(mx, fmaxf(s[ni][2 * half], s[ni][2 * half + 1]));
-      mx = QuadMax(mx);
-      const float base = mx == -INFINITY ? 0.0f : mx * scale_log2;
+      const float base = mx[half] == -INFINITY ? 0.0f : mx[half] * scale_log2;
       alpha[half] = Exp2(m[half] * scale_log2 - base);
-      m[half] = mx;
+      m[half] = mx[half];
       float sum = 0.0f;
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 2 * half; e < 2 * half + 2; ++e) {
-          const float p = Exp2(s[ni][e] * scale_log2 - base);
+          // Every kFmaExpEvery-th column pair on the FMA pipe: its instructions fill the issue slots the
+          // warp otherwise spends waiting for MUFU between the other exponentials.
+          const float x = s[ni][e] * scale_log2 - base;
+          const float p = ni % kFmaExpEvery == kFmaExpEvery - 1 ? Exp2Fma(x) : Exp2(x);
           s[ni][e] = p;
           sum += p;
         }
