@@ -13,8 +13,9 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
               FFA(local q, stage i receive buffer, stage i slices) -> (out_i, lse_i)
               out, lse = lse-merge of all parts
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
-              FFA bwd(local q, concat(local kv, every receive buffer), fused slices) -> dq, dk, dv
-              group_reduce(dk, dv of each stage's rows) -> back to the owners; dq stays local
+              FFA bwd(local q, keys local kv + the receive buffers as a second source, fused slices)
+                  -> dq, dk, dv of the local keys, dk2, dv2 of the received ones
+              group_reduce(dk2, dv2 of each stage's rows) -> back to the owners; dq stays local
               dk = local rows + returned partials, summed in float32
     (backward="staged": FFA bwd per stage, each stage's group_reduce under the next stage's call and the
     host call last; more calls, each with its own preprocess and dQ pass.)
@@ -337,9 +338,11 @@ def _fwd_call(cfg, q, k, v, slices, r):
     return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap)
 
 
-def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r):
-    residuals = (q, k, v, out, lse, *_rows(slices, r))
-    return ffa._ffa_bwd(cfg.scale, cfg.softcap, cfg.deterministic, residuals, (dout, dlse))[:3]
+def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None):
+    """dq, dk, dv (and dk2, dv2 with a second key source k2, v2: keys concat(k, k2), not concatenated)."""
+    grads = ffa._bwd_call(q, k, v, out, dout, lse, dlse, *_rows(slices, r), cfg.scale, cfg.softcap,
+                          cfg.deterministic, k2, v2)
+    return grads if k2 is not None else grads[:3]
 
 
 def _merge(parts, dtype):
@@ -397,7 +400,6 @@ def _backward_body(cfg: _Config, res, cts):
     dout, dlse = cts
     dout, dlse = dout.astype(q.dtype), dlse.astype(jnp.float32)
     tabs, r, axis = cfg.tables, _rank(cfg), cfg.plan.axis
-    L = k.shape[0]
     wire = cfg.wire_dtype and jnp.dtype(cfg.wire_dtype)
     if not tabs.stages:
         return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
@@ -407,12 +409,16 @@ def _backward_body(cfg: _Config, res, cts):
     tables = [st.tables for st in tabs.stages]
     if cfg.backward == "fused" or cfg.plan.overlap_degree == 0:
         # One call over concat(local, every receive buffer): one preprocess, one dQ accumulator and one
-        # kernel tail instead of one per stage; the partials then travel back (not overlapped).
-        dq, dkk, dvv = _bwd_call(cfg, q, *_concat_kv(k, v, recv), out, dout, lse, dlse, tabs.fused, r)
-        ends = np.cumsum([L] + [t.buffer_len for t in tables])
-        backs = [return_partials((dkk[a:b], dvv[a:b]), t, axis, wire, cfg.stack_transfers)
+        # kernel tail instead of one per stage; the partials then travel back (not overlapped). The local
+        # keys and the received ones are the call's two key sources: neither is copied into a concatenation,
+        # and the local gradients are a buffer of their own (the partials add into it in place).
+        k2, v2 = (recv[0] if len(recv) == 1 else (jnp.concatenate([rk for rk, _ in recv]),
+                                                   jnp.concatenate([rv for _, rv in recv])))
+        dq, dk_local, dv_local, dk2, dv2 = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.fused, r, k2, v2)
+        ends = np.cumsum([0] + [t.buffer_len for t in tables])
+        backs = [return_partials((dk2[a:b], dv2[a:b]), t, axis, wire, cfg.stack_transfers)
                  for t, a, b in zip(tables, ends[:-1], ends[1:])]
-        dk, dv = _add_partials(backs, tables, axis, (dkk[:L], dvv[:L]))
+        dk, dv = _add_partials(backs, tables, axis, (dk_local, dv_local))
         return dq, dk, dv
     # Staged: stages first, the host call last: stage i's partials travel back under stage i+1's call,
     # the last ones under the host call.

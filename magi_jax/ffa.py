@@ -116,14 +116,25 @@ def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, determi
 def _ffa_bwd(scale, softcap, deterministic, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
+    dq, dk, dv = _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap,
+                           deterministic)[:3]
+    return dq, dk, dv, None, None, None
+
+
+def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic,
+              k2=None, v2=None):
+    """dq, dk, dv, dk2, dv2: the backward over the keys concat(k, k2) (k_ranges index them), without
+    concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty)."""
+    if k2 is None:
+        k2 = v2 = jnp.zeros((0, *k.shape[1:]), k.dtype)
     _ffi.check_kernel_env()
-    dq, dk, dv = _ffi.call(
+    return _ffi.call(
         _ffi.FFA_BWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map,
-        softmax_scale=np.float32(scale), softcap=np.float32(softcap), deterministic=deterministic)
-    return dq, dk, dv, None, None, None
+         jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(k2.shape, k2.dtype),
+         jax.ShapeDtypeStruct(v2.shape, v2.dtype)),
+        q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map, k2,
+        v2, softmax_scale=np.float32(scale), softcap=np.float32(softcap), deterministic=deterministic)
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)
