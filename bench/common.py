@@ -4,6 +4,8 @@ markdown table appended to BENCHMARKS.md with date, machine, versions and comman
 from __future__ import annotations
 
 import datetime
+import gzip
+import json
 import pathlib
 import platform
 import statistics
@@ -51,6 +53,34 @@ def machine_line() -> str:
     import os
     return (f"{len(devices)} x {kind} ({devices[0].platform}, {os.cpu_count()} host cores), "
             f"jax {jax.__version__}, python {platform.python_version()}")
+
+
+def newest_perfetto_trace(log_dir: pathlib.Path) -> pathlib.Path | None:
+    """The perfetto trace jax.profiler.trace(log_dir, create_perfetto_trace=True) wrote last."""
+    traces = sorted(log_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    return traces[-1] if traces else None
+
+
+def gpu_kernel_events(trace: pathlib.Path) -> dict[str, list[dict]]:
+    """The timed events (kernels, memcpys) of each GPU in a jax.profiler perfetto trace (.json.gz), by the
+    GPU's process name, in trace order."""
+    data = json.load(gzip.open(trace))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpus = {pid: name for pid, name in names.items() if "gpu" in name.lower()}
+    by_gpu: dict[str, list[dict]] = {name: [] for name in gpus.values()}
+    for e in events:
+        if e.get("pid") in gpus and e.get("ph") == "X" and "dur" in e:
+            by_gpu[gpus[e["pid"]]].append(e)
+    return {name: ks for name, ks in sorted(by_gpu.items()) if ks}
+
+
+def kernel_totals(events: Sequence[dict]) -> list[tuple[str, float]]:
+    """(name, total microseconds) of trace events, the longest first."""
+    total: dict[str, float] = {}
+    for e in events:
+        total[e["name"]] = total.get(e["name"], 0.0) + e["dur"]
+    return sorted(total.items(), key=lambda x: -x[1])
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gzip
 import json
 import os
 import pathlib
@@ -51,8 +50,8 @@ from magi_jax import dist_attn, ffa, masks  # noqa: E402
 from magi_jax.mask import AttnMask, slice_areas  # noqa: E402
 from magi_jax.planner import make_plan  # noqa: E402
 from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
-from bench.common import (append_report, attention_flops, doc_lengths, markdown_table,  # noqa: E402
-                          median_seconds)
+from bench.common import (append_report, attention_flops, doc_lengths, gpu_kernel_events,  # noqa: E402
+                          kernel_totals, markdown_table, median_seconds, newest_perfetto_trace)
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
@@ -347,25 +346,18 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
         for _ in range(3):
             jax.block_until_ready(g(q, k, v))
-    traces = sorted(log_dir.glob("plugins/profile/*/perfetto_trace.json.gz"), key=os.path.getmtime)
-    if not traces:
+    trace = newest_perfetto_trace(log_dir)
+    if trace is None:
         print("no perfetto trace written")
         return
-    summarize_trace(traces[-1])
+    summarize_trace(trace)
 
 
 def summarize_trace(path: pathlib.Path) -> dict:
     """Per GPU: busy time of NCCL kernels, of attention (FFA) kernels, and how much NCCL time ran while an
     attention kernel was running (interval intersection); the top kernels by time."""
-    data = json.load(gzip.open(path))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpus = {pid for pid, nm in names.items() if "GPU" in nm or "gpu" in nm}
     summary = {}
-    for pid in sorted(gpus):
-        ks = [e for e in events if e.get("pid") == pid and e.get("ph") == "X" and "dur" in e]
-        if not ks:
-            continue
+    for gpu, ks in gpu_kernel_events(path).items():
         is_nccl = lambda e: "nccl" in e["name"].lower()
         is_attn = lambda e: any(s in e["name"].lower() for s in ("flash", "ffa", "fwd", "bwd", "dkdv"))
         nccl = [(e["ts"], e["ts"] + e["dur"]) for e in ks if is_nccl(e)]
@@ -382,14 +374,11 @@ def summarize_trace(path: pathlib.Path) -> dict:
                 if c >= b:
                     break
                 overlap += max(0.0, min(b, d) - max(a, c))
-        total = {}
-        for e in ks:
-            total[e["name"]] = total.get(e["name"], 0.0) + e["dur"]
-        top = sorted(total.items(), key=lambda x: -x[1])[:10]
+        top = kernel_totals(ks)[:10]
         nccl_us = sum(b - a for a, b in nccl)
         attn_us = sum(b - a for a, b in merged)
-        summary[names[pid]] = {"nccl_us": nccl_us, "attention_us": attn_us, "nccl_overlapping_attention_us": overlap}
-        print(f"{names[pid]}: NCCL kernels {nccl_us / 1e3:.3f} ms, attention kernels {attn_us / 1e3:.3f} ms, NCCL "
+        summary[gpu] = {"nccl_us": nccl_us, "attention_us": attn_us, "nccl_overlapping_attention_us": overlap}
+        print(f"{gpu}: NCCL kernels {nccl_us / 1e3:.3f} ms, attention kernels {attn_us / 1e3:.3f} ms, NCCL "
               f"time overlapping attention {overlap / 1e3:.3f} ms ({overlap / max(nccl_us, 1e-9):.0%} of NCCL)")
         for nm, us in top:
             print(f"    {us / 1e3:9.3f} ms  {nm[:110]}")

@@ -189,12 +189,26 @@ def rel_diff(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
+def case_inputs(case: Case) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v [1, T, H, D] bf16, the same random values for every implementation."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    return tuple(jax.random.normal(kk, (1, case.mask.total_seqlen_q, H, case.head_dim), jnp.bfloat16)
+                 for kk in keys)
+
+
+def jitted(fn: Callable, mode: str) -> Callable:
+    """The timed function of a pass: fn itself ("fwd"), or the gradients of sum(out) in q, k, v, forward
+    included ("fwd+bwd")."""
+    if mode == "fwd":
+        return jax.jit(fn)
+    return jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+
+
 def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
     total = case.mask.total_seqlen_q
     area = case.mask.area()
     flops = 4.0 * area * H * case.head_dim
-    keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(kk, (1, total, H, case.head_dim), jnp.bfloat16) for kk in keys)
+    q, k, v = case_inputs(case)
     fns: dict[str, Callable] = {"ffa": ffa(case.mask)}
     for name in impls:
         if name == "ffa":
@@ -215,8 +229,8 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
             row = dict(case=case.name, impl=name, mode=mode, tokens=total, area=area, slices=case.mask.num_slices)
             select_kernel(name)  # the previous measurement ended in block_until_ready: nothing in flight
             try:
+                f = jitted(fn, mode)
                 if mode == "fwd":
-                    f = jax.jit(fn)
                     out = f(q, k, v)
                     if name == "ffa":
                         reference["out"] = out
@@ -224,8 +238,6 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
                     del out
                     mult = 1.0
                 else:
-                    f = jax.jit(jax.grad(lambda q, k, v, fn=fn: fn(q, k, v).astype(jnp.float32).sum(),
-                                         argnums=(0, 1, 2)))
                     dq = f(q, k, v)[0]
                     if name == "ffa":
                         reference["dq"] = dq

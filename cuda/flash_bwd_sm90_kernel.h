@@ -77,6 +77,19 @@ MAGI_DEV void PackA64(const float (&s)[8][4], uint32_t (&a)[4][4]) {
   }
 }
 
+// acc = A B^T over the head dim, A (BN rows) and B (BM rows) K-major in 128-byte swizzle chunks of 64
+// columns: the k16 steps of S^T = K Q^T and of dP^T = V dO^T, as one commit group (the caller fences).
+template <typename T, int N, int D, int BN, int BM, int NT>
+MAGI_DEV void IssueKMajorSS(float (&acc)[NT][4], uint64_t da, uint64_t db) {
+  Wgmma<T, N>::template SSZero<0, 0>(acc, da, db);
+#pragma unroll
+  for (int kk = 1; kk < D / 16; ++kk) {
+    const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
+    Wgmma<T, N>::template SS<0, 0>(acc, DescAdd(da, off_a), DescAdd(db, off_b), 1);
+  }
+  WgmmaCommit();
+}
+
 // A warpgroup's dQ buffer is the dq_map box: 128-byte lines ordered (row, 32-column chunk c), line
 // l = 2 row + c, its 16-byte units XOR-ed by l & 7 (TMA's 128-byte swizzle; the buffer is 1024-byte
 // aligned). Thread (g, t) of warp w stores row r = 16 w + 8 half + g, columns 8 di + 2 t (+1), di = 4 c + a:
@@ -286,20 +299,8 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     {
       const uint64_t dq_k = DescAdd(desc_q_k, stage_off), ddo_k = DescAdd(desc_do_k, stage_off);
       WgmmaFence();
-      Wgmma<T, kHalfM>::template SSZero<0, 0>(s[0], desc_k, dq_k);
-#pragma unroll
-      for (int kk = 1; kk < D / 16; ++kk) {
-        const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
-        Wgmma<T, kHalfM>::template SS<0, 0>(s[0], DescAdd(desc_k, off_a), DescAdd(dq_k, off_b), 1);
-      }
-      WgmmaCommit();
-      Wgmma<T, kHalfM>::template SSZero<0, 0>(dp[0], desc_v, ddo_k);
-#pragma unroll
-      for (int kk = 1; kk < D / 16; ++kk) {
-        const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
-        Wgmma<T, kHalfM>::template SS<0, 0>(dp[0], DescAdd(desc_v, off_a), DescAdd(ddo_k, off_b), 1);
-      }
-      WgmmaCommit();
+      IssueKMajorSS<T, kHalfM, D, BN, BM>(s[0], desc_k, dq_k);
+      IssueKMajorSS<T, kHalfM, D, BN, BM>(dp[0], desc_v, ddo_k);
     }
     const int row0 = cw * kHalfM;  // the warpgroup's first row of the step's 64
     const float* lse_s = slse + ps.stage * BM + row0;
@@ -601,13 +602,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     const uint32_t z = OpaqueZero();
     const uint64_t da = desc_k + z, db = DescAdd(desc_q_k, ps.stage * Tile::kRowBytes + z);
     WgmmaFence();
-    Wgmma<T, 64>::template SSZero<0, 0>(s[0], da, db);
-#pragma unroll
-    for (int kk = 1; kk < D / 16; ++kk) {
-      const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
-      Wgmma<T, 64>::template SS<0, 0>(s[0], DescAdd(da, off_a), DescAdd(db, off_b), 1);
-    }
-    WgmmaCommit();
+    IssueKMajorSS<T, 64, D, BN, BM>(s[0], da, db);
   };
   // The previous step's tail has landed (the caller's wait): drain it.
   auto drain_tail = [&]() {
@@ -625,13 +620,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       const uint32_t z = OpaqueZero();
       const uint64_t da = desc_v + z, ddo_k = DescAdd(desc_do_k, stage_off + z);
       WgmmaFence();
-      Wgmma<T, 64>::template SSZero<0, 0>(dp[0], da, ddo_k);
-#pragma unroll
-      for (int kk = 1; kk < D / 16; ++kk) {
-        const uint32_t off_a = (kk / 4) * (BN * 128) + (kk % 4) * 32, off_b = (kk / 4) * (BM * 128) + (kk % 4) * 32;
-        Wgmma<T, 64>::template SS<0, 0>(dp[0], DescAdd(da, off_a), DescAdd(ddo_k, off_b), 1);
-      }
-      WgmmaCommit();
+      IssueKMajorSS<T, 64, D, BN, BM>(dp[0], da, ddo_k);
     }
     const float* lse_s = slse + ps.stage * BM;
     const float* delta_s = sdelta + ps.stage * BM;

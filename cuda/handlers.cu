@@ -80,16 +80,16 @@ struct ListSizes {
   size_t Bytes() const { return Carver::Round((num_blocks + 1) * 8) + Carver::Round(capacity * 4); }
 };
 
-// The sm90 kernels (TMA + wgmma forward and dK/dV, launch_{fwd,bwd}_sm90.cu) by default;
-// MAGI_JAX_FFA_KERNEL=mma selects the mma.sync ones (also the fallback where the sm90 launch declines an
-// input). Read at every call (a getenv), like the capacity below, so that one process can compare both
-// (bench/kernel.py) and tests can switch it; an unknown value is an error, not a silent default.
-enum class FfaKernel { kMmaSync, kSm90 };
-ffi::ErrorOr<FfaKernel> SelectedKernel() {
+// Whether the sm90 kernels (TMA + wgmma forward and dK/dV, launch_{fwd,bwd}_sm90.cu) run: by default, and
+// always where they are the only ones (sm90_only: head dim 256); MAGI_JAX_FFA_KERNEL=mma selects the mma.sync
+// ones (also the fallback where the sm90 launch declines an input). Read at every call (a getenv), like the
+// capacity below, so that one process can compare both (bench/kernel.py) and tests can switch it; an
+// unknown value is an error, not a silent default.
+ffi::ErrorOr<bool> UseSm90(bool sm90_only) {
   const char* env = std::getenv("MAGI_JAX_FFA_KERNEL");
   const std::string name = env == nullptr ? "" : env;
-  if (name.empty() || name == "sm90") return FfaKernel::kSm90;
-  if (name == "mma") return FfaKernel::kMmaSync;
+  if (name.empty() || name == "sm90") return true;
+  if (name == "mma") return sm90_only;
   return ffi::Error::InvalidArgument("MAGI_JAX_FFA_KERNEL: '" + name + "' is not a kernel (sm90 or mma)");
 }
 
@@ -160,9 +160,9 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
   const ListSizes q_sizes = SizeLists(dims->tq, kQBlock, dims->num_slices);
-  const auto kernel = SelectedKernel();
-  if (kernel.has_error()) return kernel.error();
-  const bool sm90 = sm90_only || *kernel == FfaKernel::kSm90;
+  const auto use_sm90 = UseSm90(sm90_only);
+  if (use_sm90.has_error()) return use_sm90.error();
+  const bool sm90 = *use_sm90;
   const size_t sm90_bytes = sm90 ? Carver::Round(FwdSm90ScratchInts(dims->tq) * 4) : 0;
   auto carver_or = Carver::Allocate(scratch, q_sizes.Bytes() + sm90_bytes);
   if (!carver_or.has_value())
@@ -245,9 +245,9 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   }
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
-  const auto kernel = SelectedKernel();
-  if (kernel.has_error()) return kernel.error();
-  const bool sm90 = sm90_only || *kernel == FfaKernel::kSm90;
+  const auto use_sm90 = UseSm90(sm90_only);
+  if (use_sm90.has_error()) return use_sm90.error();
+  const bool sm90 = *use_sm90;
   const int64_t rows = dims->tq * dims->hq;
   const ListSizes k_sizes = SizeLists(dims->tk, kKBlock, dims->num_slices);
   const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
