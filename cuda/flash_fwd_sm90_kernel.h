@@ -37,7 +37,6 @@ namespace magi_jax::cuda {
 // Online softmax over the two rows a consumer thread holds, with the rescale of O split from the update so
 // that it can wait for the PV wgmma in flight.
 struct Sm90RowSoftmax {
-  static constexpr int kFmaExpEvery = 4;  // a quarter of the exponentials off MUFU (cuda/NOTES.md, v7)
   float m[2], l[2];
 
   MAGI_DEV Sm90RowSoftmax() {
@@ -82,10 +81,7 @@ struct Sm90RowSoftmax {
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
         for (int e = 2 * half; e < 2 * half + 2; ++e) {
-          // Every kFmaExpEvery-th column pair on the FMA pipe: its instructions fill the issue slots the
-          // warp otherwise spends waiting for MUFU between the other exponentials.
-          const float x = s[ni][e] * scale_log2 - base;
-          const float p = ni % kFmaExpEvery == kFmaExpEvery - 1 ? Exp2Fma(x) : Exp2(x);
+          const float p = Exp2(s[ni][e] * scale_log2 - base);
           s[ni][e] = p;
           sum += p;
         }

@@ -83,20 +83,6 @@ MAGI_DEV float Exp2(float x) {
   return y;
 }
 
-// 2^x for x <= 0 on the FMA and integer pipes instead of MUFU (16 per clock per SM, the softmax's
-// bottleneck on sm_90): x clamped to -127, rounded to j with the 1.5 * 2^23 trick, 2^(x - j) by a cubic
-// with constant term exactly 1, then j added to the exponent bits. Relative error <= 1.1e-4 on [-125, 0]
-// (below the bf16 / fp16 rounding of P); -inf and x <= -127 give exactly 0, values below 2^-125 are
-// denormal-tiny and never negative. Coefficients and an op-by-op float32 check: tools/exp2_poly.py.
-MAGI_DEV float Exp2Fma(float x) {
-  constexpr float kRound = 12582912.0f, kC1 = 6.932829618e-01f, kC2 = 2.422110289e-01f, kC3 = 5.500882119e-02f;
-  x = fmaxf(x, -127.0f);
-  const float t = x + kRound;
-  const float f = x - (t - kRound);
-  const float p = fmaf(f, fmaf(f, fmaf(f, kC3, kC2), kC1), 1.0f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
