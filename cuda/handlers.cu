@@ -146,12 +146,13 @@ SliceArgs MakeSliceArgs(const FfaDims& dims, const ffi::Buffer<ffi::S32>& q_rang
 
 ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
-                      ffi::Buffer<ffi::S32> types, float softmax_scale, float softcap,
+                      ffi::Buffer<ffi::S32> types, float softmax_scale, float softcap, int32_t sm_margin,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
+  if (sm_margin < 0) return ffi::Error::InvalidArgument("sm_margin: must be >= 0");
 
   const bool sm90_only = dims->d == kSm90OnlyHeadDim;
   if (sm90_only) {
@@ -187,6 +188,7 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.hkv = int(dims->hkv);
   p.scale = softmax_scale;
   p.softcap = softcap;
+  p.sm_margin = sm_margin;
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;

@@ -33,6 +33,7 @@ struct FwdParams {
   BlockLists lists;  // q blocks of kQBlock rows
   int hq, hkv;
   float scale, softcap;
+  int sm_margin;  // SMs the persistent sm90 grid leaves to kernels beside it (a collective in flight)
 };
 
 // A second key source for the sm90 backward (cuda/flash_bwd_sm90_kernel.h): keys [row, Tk) of the

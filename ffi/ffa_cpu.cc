@@ -326,7 +326,8 @@ T* Data(ffi::Result<ffi::AnyBuffer>& b) { return reinterpret_cast<T*>(b->untyped
 
 ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges,
                       ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, float softmax_scale,
-                      float softcap, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                      float softcap, int32_t /*sm_margin: a GPU launch setting*/, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;

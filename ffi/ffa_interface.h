@@ -40,6 +40,7 @@ auto BindFfaFwd(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()             // attn_type_map [N]
       .template Attr<float>("softmax_scale")
       .template Attr<float>("softcap")
+      .template Attr<int32_t>("sm_margin")              // SMs the persistent forward leaves free
       .template Ret<ffi::AnyBuffer>()                    // out
       .template Ret<ffi::Buffer<ffi::F32>>();            // lse [Tq, Hq]
 }

@@ -320,6 +320,7 @@ class _Config:
     wire_dtype: str | None
     backward: str
     stack_transfers: bool
+    sm_margin: int
 
     @property
     def tables(self) -> RunTables:
@@ -334,8 +335,10 @@ def _rows(slices, r):
     return tuple(jnp.asarray(a)[r] for a in slices)
 
 
-def _fwd_call(cfg, q, k, v, slices, r):
-    return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap)
+def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False):
+    """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs."""
+    return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap,
+                         cfg.sm_margin if beside_transfer else 0)
 
 
 def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None):
@@ -368,8 +371,11 @@ def _forward(q, k, v, cfg: _Config):
     recv = [group_cast((k, v), st.tables, axis, cfg.stack_transfers) for st in tabs.stages]
     if cfg.plan.overlap_degree == 0 and recv:
         return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
-    parts = [_fwd_call(cfg, q, k, v, tabs.host, r)]
-    parts += [_fwd_call(cfg, q, rk, rv, st.slices, r) for st, (rk, rv) in zip(tabs.stages, recv)]
+    # The host call runs under the transfers; stage i's under those of the stages after it.
+    last = len(recv) - 1
+    parts = [_fwd_call(cfg, q, k, v, tabs.host, r, beside_transfer=bool(recv))]
+    parts += [_fwd_call(cfg, q, rk, rv, st.slices, r, beside_transfer=i < last)
+              for i, (st, (rk, rv)) in enumerate(zip(tabs.stages, recv))]
     return _merge(parts, q.dtype)
 
 
@@ -446,10 +452,13 @@ _attn.defvjp(_attn_fwd, _backward)
 
 
 BACKWARDS = ("fused", "staged")
+# The forward's persistent grid holds every SM until it ends, so a group_cast launched beside it would wait
+# for it; leaving a few SMs free lets NCCL's kernel run (MagiAttention observes 4-8 suffice for all-to-all).
+SM_MARGIN = 8
 
 
 def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype,
-            backward, stack_transfers) -> _Config:
+            backward, stack_transfers, sm_margin) -> _Config:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     if backward not in BACKWARDS:
@@ -459,13 +468,14 @@ def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministi
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
     return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire, backward,
-                   bool(stack_transfers))
+                   bool(stack_transfers), ffa.check_sm_margin(sm_margin))
 
 
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
                     transport: str = "auto", reduce_wire_dtype=None, backward: str = "fused",
-                    stack_transfers: bool = False) -> tuple[jax.Array, jax.Array]:
+                    stack_transfers: bool = False, sm_margin: int = SM_MARGIN
+                    ) -> tuple[jax.Array, jax.Array]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
 
     q [L, Hq, D], k/v [L, Hkv, D]: this rank's local buffers (L = plan.local_len), or with one leading batch
@@ -478,7 +488,9 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     preprocess and dQ pass: measured slower on 2 H200s, BENCHMARKS.md); ``stack_transfers``: K and V (dK and
     dV partials) travel stacked in one collective per stage instead of one each (XLA keeps one collective
     in flight, so the second of two runs synchronously), at the price of a stack and an unstack copy (not
-    yet measured on GPUs); the rest as flex_flash_attn.
+    yet measured on GPUs); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
+    free for it (flex_flash_attn's sm_margin; 0 serialises the transfer behind the call); the rest as
+    flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -490,7 +502,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
         raise ValueError(f"q, k, v: batch dims differ: {q.shape}, {k.shape}, {v.shape}")
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
-                  backward, stack_transfers)
+                  backward, stack_transfers, sm_margin)
     if q.ndim == 3:
         return _attn(q, k, v, cfg)
     outs = [_attn(q[b], k[b], v[b], cfg) for b in range(q.shape[0])]
@@ -507,7 +519,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
     replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype, backward, stack_transfers)."""
+    reduce_wire_dtype, backward, stack_transfers, sm_margin)."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -221,6 +221,18 @@ def test_bad_mask_argument():
         mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), **OK_RANGES)
     with pytest.raises(ValueError, match="^softcap"):
         mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), softcap=-1.0)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="^sm_margin: expected an int >= 0"):
+            mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), sm_margin=bad)
+
+
+def test_sm_margin_does_not_change_the_result():
+    # A launch setting only (the CPU handler ignores it; tests/test_ffa_sm90_gpu.py checks the GPU grid).
+    q, k, v = _qkv()
+    want = mj.flex_flash_attn(q, k, v, mask=masks.causal(16))
+    got = mj.flex_flash_attn(q, k, v, mask=masks.causal(16), sm_margin=8)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.parametrize("split", [0, 37, 64, 100])
