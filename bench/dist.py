@@ -55,8 +55,8 @@ from bench.common import (append_report, attention_flops, doc_lengths, gpu_kerne
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
-# staged backward, magi with K and V stacked in one collective (not run by default)
-EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_staged", "magi_stacked")
+# staged backward, magi with K and V stacked in one collective, magi with sm_margin 0 (not run by default)
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_staged", "magi_stacked", "magi_nomargin")
 
 
 def make_mask(name: str, total: int, seed: int = 0, block: int = 2048) -> AttnMask:
@@ -125,16 +125,18 @@ def area_of(slices) -> int:
 # Each builder returns (fn(q_d, k_d, v_d) -> (out_d, lse_d) on dispatched arrays, the plan that dispatches).
 
 def _ffa(q, k, v, rows, scale):
-    return ffa._ffa(q, k, v, *rows, scale, 0.0, False)
+    return ffa._ffa(q, k, v, *rows, scale, 0.0, False, 0)
 
 
-def build_magi(mask, mesh, args, transport=None, overlap=None, backward="fused", stack_transfers=False):
+def build_magi(mask, mesh, args, transport=None, overlap=None, backward="fused", stack_transfers=False,
+               sm_margin=None):
     overlap = (args.overlap if args.overlap == "auto" else int(args.overlap)) if overlap is None else overlap
     mp = mj.plan(mask, mesh, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
                  overlap=overlap)
     transport = transport or args.transport
+    sm_margin = args.sm_margin if sm_margin is None else sm_margin
     return (lambda q, k, v: mj.calc_attn(q, k, v, mp, transport=transport, backward=backward,
-                                         stack_transfers=stack_transfers)), mp
+                                         stack_transfers=stack_transfers, sm_margin=sm_margin)), mp
 
 
 def _zigzag(mask, mesh, args) -> DistAttnPlan:
@@ -228,7 +230,8 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
                 "magi_fused": functools.partial(build_magi, overlap=0),
                 "magi_staged": functools.partial(build_magi, backward="staged"),
-                "magi_stacked": functools.partial(build_magi, stack_transfers=True)}
+                "magi_stacked": functools.partial(build_magi, stack_transfers=True),
+                "magi_nomargin": functools.partial(build_magi, sm_margin=0)}
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n, "tokens": total, "area": area}
         try:
@@ -398,6 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--overlap", default="auto")
     ap.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ppermute"])
+    ap.add_argument("--sm-margin", type=int, default=dist_attn.SM_MARGIN,
+                    help="SMs the magi methods' forward leaves to the group_cast beside it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)

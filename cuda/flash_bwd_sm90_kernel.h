@@ -47,8 +47,23 @@ struct BwdSm90Params {
   CUtensorMap k_map, v_map;     // [Tk, Hkv, D], boxes (64, 1, kBlockN)
   CUtensorMap dk_map, dv_map;   // [Tk, Hkv, D], boxes (64, 1, kKeysPerWarpgroup)
   CUtensorMap dq_map;           // dq_accum [Tq, Hq, D] fp32 as (32, D / 32, Hq, Tq), boxes (32, kDqBoxCols / 32, 1, kBlockM)
+  // A second key source (the fetched rows of a distributed backward): keys [split_row, Tk) are rows
+  // [0, Tk - split_row) of k2, v2 and their gradients go to dk2, dv2. split_row is a multiple of kBlockN
+  // (a CTA's keys come from one source); INT_MAX without a second source.
+  CUtensorMap k2_map, v2_map, dk2_map, dv2_map;
+  int split_row;
   BwdParams base;
 };
+
+// The maps holding a CTA's keys (from key c0 on) and the row of c0 in them.
+struct KeySource {
+  const CUtensorMap *k, *v, *dk, *dv;
+  int row;
+};
+MAGI_DEV KeySource CtaKeySource(const BwdSm90Params& p, int64_t c0) {
+  if (c0 >= p.split_row) return {&p.k2_map, &p.v2_map, &p.dk2_map, &p.dv2_map, int(c0 - p.split_row)};
+  return {&p.k_map, &p.v_map, &p.dk_map, &p.dv_map, int(c0)};
+}
 
 // fp32 C fragments (64 x 64) -> A register fragments of the four k16 steps (as the forward's PackP).
 template <typename T>
@@ -378,10 +393,11 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
   if (wtid == 0) {
+    const KeySource src = CtaKeySource(p, int64_t(kb) * BN);
 #pragma unroll
     for (int c = 2 * cw; c < 2 * cw + 2; ++c) {
-      TmaStore3d(&p.dk_map, stage_k + c * (BN * 128), 64 * c, hk, kb * BN);
-      TmaStore3d(&p.dv_map, stage_v + c * (BN * 128), 64 * c, hk, kb * BN);
+      TmaStore3d(src.dk, stage_k + c * (BN * 128), 64 * c, hk, src.row);
+      TmaStore3d(src.dv, stage_v + c * (BN * 128), 64 * c, hk, src.row);
     }
     BulkCommit();
     BulkWait();  // also completes this thread's dQ reduce-adds (the dq convert kernel reads them next)
@@ -432,11 +448,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     if (lane == 0) {
       PrefetchTensorMap(&p.q_map);
       PrefetchTensorMap(&p.do_map);
+      const KeySource src = CtaKeySource(p, c0);
       MbarArriveExpectTx(&bars.kv_full, 2 * Tile::kKvBytes);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
-        TmaLoad3d(sk + c * (BN * 128), &p.k_map, &bars.kv_full, 64 * c, hk, int(c0));
-        TmaLoad3d(sv + c * (BN * 128), &p.v_map, &bars.kv_full, 64 * c, hk, int(c0));
+        TmaLoad3d(sk + c * (BN * 128), src.k, &bars.kv_full, 64 * c, hk, src.row);
+        TmaLoad3d(sv + c * (BN * 128), src.v, &bars.kv_full, 64 * c, hk, src.row);
       }
     }
     const int tq = args.tq, hq = bp.hq;
@@ -733,10 +750,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
   if (wtid == 0) {
+    const KeySource src = CtaKeySource(p, int64_t(kb) * BN);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      TmaStore3d(&p.dk_map, stage_k + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, kb * BN + cw * WK);
-      TmaStore3d(&p.dv_map, stage_v + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, kb * BN + cw * WK);
+      TmaStore3d(src.dk, stage_k + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, src.row + cw * WK);
+      TmaStore3d(src.dv, stage_v + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, src.row + cw * WK);
     }
     BulkCommit();
     BulkWait();  // also completes this thread's dQ reduce-adds (the dq convert kernel reads them next)

@@ -44,18 +44,38 @@ struct Sm90RowSoftmax {
     l[0] = l[1] = 0.0f;
   }
 
+  // Max of a row's 2 NT values (half: which of the thread's two rows) as a pairwise tree: depth
+  // log2(2 NT) instead of a chain of 2 NT dependent FMNMX (17 deep at NT 16, on the softmax's critical path).
+  template <int NT>
+  MAGI_DEV static float RowMax(const float (&s)[NT][4], int half) {
+    float v[NT];
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni) v[ni] = fmaxf(s[ni][2 * half], s[ni][2 * half + 1]);
+#pragma unroll
+    for (int w = 1; w < NT; w *= 2)
+#pragma unroll
+      for (int ni = 0; ni + w < NT; ni += 2 * w) v[ni] = fmaxf(v[ni], v[ni + w]);
+    return v[0];
+  }
+
   // s (raw logits, masked cells -inf) -> unnormalised probabilities; alpha is the factor O must take.
+  // Both rows' maxima first, their quad shuffles side by side, then the exponentials: row 1's reduction
+  // no longer waits for row 0's.
   template <int NT>
   MAGI_DEV void Update(float (&s)[NT][4], float scale_log2, float (&alpha)[2]) {
+    float mx[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) mx[half] = fmaxf(m[half], RowMax(s, half));
+#pragma unroll
+    for (int lane_mask = 1; lane_mask <= 2; lane_mask *= 2)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], lane_mask));
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float mx = m[half];
-#pragma unroll
-      for (int ni = 0; ni < NT; ++ni) mx = fmaxf(mx, fmaxf(s[ni][2 * half], s[ni][2 * half + 1]));
-      mx = QuadMax(mx);
-      const float base = mx == -INFINITY ? 0.0f : mx * scale_log2;
+      const float base = mx[half] == -INFINITY ? 0.0f : mx[half] * scale_log2;
       alpha[half] = Exp2(m[half] * scale_log2 - base);
-      m[half] = mx;
+      m[half] = mx[half];
       float sum = 0.0f;
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
@@ -128,6 +148,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   unsigned char* sv = smem + Tile::kVOffset;
   unsigned char* so = smem + Tile::kOOffset;
   auto& bars = *reinterpret_cast<FwdSm90Barriers<kStages, Tile::kQStages>*>(smem + Tile::kBarOffset);
+  static_assert(sizeof(FwdSm90Barriers<kStages, Tile::kQStages>) <= Tile::kBarBytes, "the barrier region");
 
   // Warp-uniform by construction (a broadcast), which ptxas needs to see to keep the wgmmas asynchronous.
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
@@ -168,15 +189,28 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     PipeState<Tile::kQStages> qs;
     int tile = blockIdx.x;
     while (true) {
+      // Decode the tile and find its first step, then publish the step's cursor and slice (FwdTileRecord).
+      FwdTileRecord rec{tile, -1, 0};
+      int qb = 0, h = 0;
+      if (tile < p.num_tiles) DecodeTile(p, tile, &qb, &h);
+      const SliceWalk walk(args, fp.lists, qb);  // q block 0 past the last tile: read, not walked
+      FwdStep first;
+      first.cur = -1;
+      if (tile < p.num_tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, walk.First(args), &first);
+      if (first.cur >= 0) {
+        rec.cur = first.cur;
+        rec.slice = walk.SliceId(first.cur);
+      }
       if (lane == 0) {
         MbarWait(&bars.tile_empty[slot.stage], slot.phase ^ 1);
-        bars.tile[slot.stage] = tile;
+        bars.tile[slot.stage] = rec;
         MbarArrive(&bars.tile_full[slot.stage]);
       }
       slot.Advance();
       if (tile >= p.num_tiles) break;
-      int qb, h;
-      DecodeTile(p, tile, &qb, &h);
+      // The next tile, taken now: the atomic's latency passes under this tile's loads.
+      int next = 0;
+      if (lane == 0) next = int(gridDim.x) + atomicAdd(p.counter, 1);
       const int hk = h / (fp.hq / fp.hkv);
       const int64_t r0 = int64_t(qb) * BM;
       // The Q buffer of two tiles ago is free once both warpgroups have issued that tile's last S: this
@@ -190,10 +224,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           TmaLoad3d(sq_stage + c * (BM * 128), &p.q_map, &bars.q_full[qs.stage], 64 * c, h, int(r0));
       }
       qs.Advance();
-      const SliceWalk walk(args, fp.lists, qb);
-      FwdStep st;
-      for (FwdStepFrom(walk, args, r0, BM, walk.First(args), &st); st.cur >= 0;
-           FwdStepNext(walk, args, r0, BM, BN, &st)) {
+      for (FwdStep st = first; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, &st)) {
         if (lane == 0) {
           MbarWait(&bars.k_empty[kv.stage], kv.phase ^ 1);
           MbarArriveExpectTx(&bars.k_full[kv.stage], Tile::kKvBytes);
@@ -210,8 +241,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         }
         kv.Advance();
       }
-      int next = 0;
-      if (lane == 0) next = int(gridDim.x) + atomicAdd(p.counter, 1);
       tile = __shfl_sync(0xffffffffu, next, 0);
     }
     return;
@@ -261,9 +290,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     const int q_stage = Tile::kQStages == 2 ? slot : 0;
     const uint32_t q_phase = Tile::kQStages == 2 ? slot_phase : q_iter & 1;
     MbarWait(&bars.tile_full[slot], slot_phase);
-    const int tile = __shfl_sync(0xffffffffu, bars.tile[slot], 0);  // uniform, visibly
-    MbarArrive(&bars.tile_empty[slot]);
+    const FwdTileRecord rec = bars.tile[slot];
+    MbarArrive(&bars.tile_empty[slot]);  // after the record is read (the arrive releases the slot)
+    const int tile = __shfl_sync(0xffffffffu, rec.tile, 0);  // uniform, visibly
     if (tile >= p.num_tiles) break;
+    // The q block and head from the tile as before: ptxas recomputes them where used instead of holding them
+    // across the mainloop (from the record they were held, and the D 64 consumers spilled).
     int qb, h;
     DecodeTile(p, tile, &qb, &h);
     const int64_t r0 = int64_t(qb) * BM;
@@ -283,9 +315,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     ++q_iter;
     // The warpgroup's 64 rows of this tile's Q buffer.
     const uint32_t desc_q_tile = uint32_t(SmemDesc128B(sq + q_stage * Tile::kQBytes + cw * (WM * 128), 16));
+    // The first step from the record's slice (one load, beside the order load above); the walk serves the
+    // slices after it (its loads are waited for only where the first slice ends).
     const SliceWalk walk(args, fp.lists, qb);
     FwdStep st;
-    FwdStepFrom(walk, args, r0, BM, walk.First(args), &st);
+    st.cur = -1;
+    if (rec.cur >= 0) FwdStepAt(args, r0, BM, rec.cur, rec.slice, &st);
     // Per slice: the two rows' key intervals and the key tiles needing no per-cell mask.
     auto start_slice = [&]() {
       RowInterval(st.s, row, &lo[0], &hi[0]);

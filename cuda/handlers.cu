@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "block_lists.h"
@@ -145,12 +146,13 @@ SliceArgs MakeSliceArgs(const FfaDims& dims, const ffi::Buffer<ffi::S32>& q_rang
 
 ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
-                      ffi::Buffer<ffi::S32> types, float softmax_scale, float softcap,
+                      ffi::Buffer<ffi::S32> types, float softmax_scale, float softcap, int32_t sm_margin,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
+  if (sm_margin < 0) return ffi::Error::InvalidArgument("sm_margin: must be >= 0");
 
   const bool sm90_only = dims->d == kSm90OnlyHeadDim;
   if (sm90_only) {
@@ -186,6 +188,7 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.hkv = int(dims->hkv);
   p.scale = softmax_scale;
   p.softcap = softcap;
+  p.sm_margin = sm_margin;
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
@@ -215,9 +218,10 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
                       ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
-                      ffi::Buffer<ffi::S32> types, float softmax_scale, float softcap, bool deterministic,
-                      ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                      ffi::Result<ffi::AnyBuffer> dv) {
+                      ffi::Buffer<ffi::S32> types, ffi::AnyBuffer k2, ffi::AnyBuffer v2, float softmax_scale,
+                      float softcap, bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
+                      ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                      ffi::Result<ffi::AnyBuffer> dk2, ffi::Result<ffi::AnyBuffer> dv2) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   for (auto [name, buf] : {std::pair{"out", &out}, {"dout", &dout}})
@@ -225,6 +229,10 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (auto err = CheckSameShape("dq", *dq, q); err.failure()) return err;
   if (auto err = CheckSameShape("dk", *dk, k); err.failure()) return err;
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
+  auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2);
+  if (tk2.has_error()) return tk2.error();
+  const int64_t tk1 = dims->tk;
+  dims->tk += *tk2;  // the kernels' key space: concat(k, k2)
   if (auto err = CheckSizes(*dims); err.failure()) return err;
   // Head dim 256: the sm90 dK/dV kernel (BwdSm90Tile<256>, the warpgroups split D) with dQ by TMA reduce-add,
   // whatever MAGI_JAX_FFA_KERNEL says; checked before any allocation or kernel. deterministic=True has no D 256
@@ -289,52 +297,94 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       return CudaFailure("dq accumulator", err);
   }
 
+  // A second key source: the sm90 dK/dV kernel reads it and writes its gradients in place (KeySplit); every
+  // other path (deterministic, mma.sync, a split row the kernel's CTAs cannot take) runs on concat(k, k2) in
+  // scratch, copied in before and its dk, dv copied out after.
+  KeySplit split;
+  if (*tk2 > 0) split = {k2.untyped_data(), v2.untyped_data(), dk2->untyped_data(), dv2->untyped_data(), tk1};
+
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     if (cudaError_t err = LaunchBwdDelta<T, D>(p, stream); err != cudaSuccess) return CudaFailure("delta", err);
-    if constexpr (D == kSm90OnlyHeadDim) {
-      // No mma.sync fallback (deterministic=True was refused above). No query rows: dk = dv = 0 (TMA needs
-      // a non-empty q map).
-      if (dims->tq == 0) {
-        const size_t kv_bytes = size_t(dims->tk) * size_t(dims->hkv) * D * sizeof(T);
-        if (cudaError_t e = cudaMemsetAsync(p.dk, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dk", e);
-        if (cudaError_t e = cudaMemsetAsync(p.dv, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dv", e);
-        return ffi::Error::Success();
+    bool enqueued = false;  // dK, dV and dQ's reduce-adds, by the sm90 kernel on both key sources
+    if (split.row >= 0 && sm90 && !deterministic) {
+      const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, stream, split);
+      if (err != cudaSuccess && err != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", err);
+      enqueued = err == cudaSuccess;
+    }
+    const bool concat = split.row >= 0 && !enqueued;
+    const size_t row_bytes = size_t(dims->hkv) * D * sizeof(T), bytes1 = size_t(tk1) * row_bytes,
+                 bytes2 = size_t(*tk2) * row_bytes;
+    if (concat) {
+      auto buf = Carver::Allocate(scratch, 4 * Carver::Round(bytes1 + bytes2));
+      if (!buf.has_value())
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for concat(k, k2)");
+      char* kc = buf->Take<char>(bytes1 + bytes2);
+      char* vc = buf->Take<char>(bytes1 + bytes2);
+      for (auto [dst, a, b] : {std::tuple{kc, p.k, split.k2}, {vc, p.v, split.v2}}) {
+        if (cudaError_t e = cudaMemcpyAsync(dst, a, bytes1, cudaMemcpyDeviceToDevice, stream); e != cudaSuccess)
+          return CudaFailure("concat(k, k2)", e);
+        if (cudaError_t e = cudaMemcpyAsync(dst + bytes1, b, bytes2, cudaMemcpyDeviceToDevice, stream);
+            e != cudaSuccess)
+          return CudaFailure("concat(k, k2)", e);
       }
-      const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, stream);
-      if (err == cudaErrorNotSupported)
-        return ffi::Error::InvalidArgument(
-            "q: head_dim 256 runs on the sm90 (TMA) backward only, which needs q, k, v, dout, dk, dv 16-byte "
-            "aligned, at least one query row and a driver with cuTensorMapEncodeTiled");
-      if (err != cudaSuccess) return CudaFailure("dk/dv (sm90)", err);
-      if (cudaError_t e = LaunchDqConvert<T>(p.dq_accum, static_cast<T*>(p.dq), int64_t(accum_elems), stream);
-          e != cudaSuccess)
-        return CudaFailure("dq convert", e);
-      return ffi::Error::Success();
-    } else {
-    if (deterministic) {
-      if (cudaError_t err = LaunchBwdDq<T, D>(p, stream); err != cudaSuccess) return CudaFailure("dq", err);
+      p.k = kc;
+      p.v = vc;
+      p.dk = buf->Take<char>(bytes1 + bytes2);
+      p.dv = buf->Take<char>(bytes1 + bytes2);
     }
-    // Default (sm90): the TMA + wgmma dK/dV kernel (dQ by TMA reduce-add unless deterministic; the
-    // deterministic dq is the mma.sync dq kernel above). cudaErrorNotSupported: nothing enqueued, the
-    // mma.sync dk/dv kernel runs.
-    cudaError_t dkdv = cudaErrorNotSupported;
-    if (sm90) {
-      dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, stream);
-      if (dkdv != cudaSuccess && dkdv != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", dkdv);
+    if (!enqueued) {
+      if constexpr (D == kSm90OnlyHeadDim) {
+        // No mma.sync fallback (deterministic=True was refused above). No query rows: dk = dv = 0 (TMA needs
+        // a non-empty q map).
+        if (dims->tq == 0) {
+          const size_t kv_bytes = size_t(dims->tk) * row_bytes;
+          if (cudaError_t e = cudaMemsetAsync(p.dk, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dk", e);
+          if (cudaError_t e = cudaMemsetAsync(p.dv, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dv", e);
+        } else {
+          const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, stream);
+          if (err == cudaErrorNotSupported)
+            return ffi::Error::InvalidArgument(
+                "q: head_dim 256 runs on the sm90 (TMA) backward only, which needs q, k, v, dout, dk, dv 16-byte "
+                "aligned, at least one query row and a driver with cuTensorMapEncodeTiled");
+          if (err != cudaSuccess) return CudaFailure("dk/dv (sm90)", err);
+        }
+      } else {
+        if (deterministic) {
+          if (cudaError_t err = LaunchBwdDq<T, D>(p, stream); err != cudaSuccess) return CudaFailure("dq", err);
+        }
+        // Default (sm90): the TMA + wgmma dK/dV kernel (dQ by TMA reduce-add unless deterministic; the
+        // deterministic dq is the mma.sync dq kernel above). cudaErrorNotSupported: nothing enqueued, the
+        // mma.sync dk/dv kernel runs.
+        cudaError_t dkdv = cudaErrorNotSupported;
+        if (sm90) {
+          dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, stream);
+          if (dkdv != cudaSuccess && dkdv != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", dkdv);
+        }
+        if (dkdv == cudaErrorNotSupported) {
+          if (cudaError_t err = LaunchBwdDkDv<T, D>(p, !deterministic, stream); err != cudaSuccess)
+            return CudaFailure("dk/dv", err);
+        }
+      }
     }
-    if (dkdv == cudaErrorNotSupported) {
-      if (cudaError_t err = LaunchBwdDkDv<T, D>(p, !deterministic, stream); err != cudaSuccess)
-        return CudaFailure("dk/dv", err);
-    }
-    if (!deterministic) {
+    if (!deterministic && accum_elems > 0) {
       if (cudaError_t err = LaunchDqConvert<T>(p.dq_accum, static_cast<T*>(p.dq), int64_t(accum_elems), stream);
           err != cudaSuccess)
         return CudaFailure("dq convert", err);
     }
-    return ffi::Error::Success();
+    if (concat) {
+      const char* dkc = static_cast<const char*>(p.dk);
+      const char* dvc = static_cast<const char*>(p.dv);
+      for (auto [src, a, b] : {std::tuple{dkc, dk->untyped_data(), split.dk2}, {dvc, dv->untyped_data(), split.dv2}}) {
+        if (cudaError_t e = cudaMemcpyAsync(a, src, bytes1, cudaMemcpyDeviceToDevice, stream); e != cudaSuccess)
+          return CudaFailure("split dk, dk2", e);
+        if (cudaError_t e = cudaMemcpyAsync(b, src + bytes1, bytes2, cudaMemcpyDeviceToDevice, stream);
+            e != cudaSuccess)
+          return CudaFailure("split dk, dk2", e);
+      }
     }
+    return ffi::Error::Success();
   });
 }
 

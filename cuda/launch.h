@@ -30,9 +30,12 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
 
 // The sm90 dK/dV kernel (TMA + wgmma, warp-specialised; launch_bwd_sm90.cu), with dQ added into p.dq_accum
 // by TMA reduce-adds when reduce_dq (else dq comes from LaunchBwdDq). Returns cudaErrorNotSupported, having
-// enqueued nothing, when the inputs do not suit TMA: the caller then runs LaunchBwdDkDv.
+// enqueued nothing, when the inputs do not suit TMA: the caller then runs LaunchBwdDkDv. `split`: a second
+// key source (KeySplit); its row must be a multiple of the kernel's keys per CTA (BwdSm90Tile<D>::kBlockN:
+// 128, 64 at D 256), else cudaErrorNotSupported.
 template <typename T, int D>
-cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream);
+cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream,
+                              const KeySplit& split = KeySplit{});
 
 template <typename T>
 cudaError_t LaunchDqConvert(const float* acc, T* dq, int64_t n, cudaStream_t stream);

@@ -1,6 +1,8 @@
 // The sm90 backward's dK/dV launcher (flash_bwd_sm90_kernel.h): tensor maps built on the host from device
 // pointers and static shapes (no synchronisation), a grid of (k blocks, kv heads), the instantiations
 // (bf16, fp16) x (D 64, 128, 256) x (dQ by TMA reduce-add or not). D 256: 64-key CTAs (BwdSm90Tile::kSplitD).
+#include <climits>
+
 #include "flash_bwd_sm90_kernel.h"
 #include "launch.h"
 #include "tma_map.h"
@@ -26,17 +28,21 @@ bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map
 }  // namespace
 
 template <typename T, int D>
-cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream) {
+cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream, const KeySplit& split) {
   using Tile = BwdSm90Tile<D>;
   const int num_blocks = NumBlocks(p.slices.tk, Tile::kBlockN);
   if (num_blocks == 0 || p.hkv == 0) return cudaSuccess;
   // What TMA needs; anything else is left to the mma.sync kernel (nothing has been enqueued yet).
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  const bool two = split.row >= 0;
   if (encode == nullptr || p.slices.tq == 0 || !Aligned16(p.q) || !Aligned16(p.k) || !Aligned16(p.v) ||
       !Aligned16(p.dout) || !Aligned16(p.dk) || !Aligned16(p.dv))
     return cudaErrorNotSupported;
+  if (two && (split.row % Tile::kBlockN != 0 || split.row > p.slices.tk || !Aligned16(split.k2) ||
+              !Aligned16(split.v2) || !Aligned16(split.dk2) || !Aligned16(split.dv2)))
+    return cudaErrorNotSupported;
   BwdSm90Params sp{};
-  const int tq = p.slices.tq, tk = p.slices.tk;
+  const int tq = p.slices.tq, tk = two ? int(split.row) : p.slices.tk, tk2 = p.slices.tk - tk;
   if (!EncodeMap<T>(encode, &sp.q_map, p.q, tq, p.hq, D, Tile::kBlockM) ||
       !EncodeMap<T>(encode, &sp.do_map, p.dout, tq, p.hq, D, Tile::kBlockM) ||
       !EncodeMap<T>(encode, &sp.k_map, p.k, tk, p.hkv, D, Tile::kBlockN) ||
@@ -44,6 +50,15 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
       !EncodeMap<T>(encode, &sp.dk_map, p.dk, tk, p.hkv, D, Tile::kKeysPerWarpgroup) ||
       !EncodeMap<T>(encode, &sp.dv_map, p.dv, tk, p.hkv, D, Tile::kKeysPerWarpgroup))
     return cudaErrorNotSupported;
+  sp.split_row = INT_MAX;
+  if (two && tk2 > 0) {
+    if (!EncodeMap<T>(encode, &sp.k2_map, split.k2, tk2, p.hkv, D, Tile::kBlockN) ||
+        !EncodeMap<T>(encode, &sp.v2_map, split.v2, tk2, p.hkv, D, Tile::kBlockN) ||
+        !EncodeMap<T>(encode, &sp.dk2_map, split.dk2, tk2, p.hkv, D, Tile::kKeysPerWarpgroup) ||
+        !EncodeMap<T>(encode, &sp.dv2_map, split.dv2, tk2, p.hkv, D, Tile::kKeysPerWarpgroup))
+      return cudaErrorNotSupported;
+    sp.split_row = tk;
+  }
   if (reduce_dq && (!Aligned16(p.dq_accum) || !EncodeDqAccumMap(encode, &sp.dq_map, p.dq_accum, tq, p.hq, D,
                                                                  Tile::kDqBoxCols, Tile::kBlockM)))
     return cudaErrorNotSupported;
@@ -56,11 +71,11 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
   return cudaGetLastError();
 }
 
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 64>(const BwdParams&, bool, cudaStream_t);
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 128>(const BwdParams&, bool, cudaStream_t);
-template cudaError_t LaunchBwdDkDvSm90<__half, 64>(const BwdParams&, bool, cudaStream_t);
-template cudaError_t LaunchBwdDkDvSm90<__half, 128>(const BwdParams&, bool, cudaStream_t);
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 256>(const BwdParams&, bool, cudaStream_t);
-template cudaError_t LaunchBwdDkDvSm90<__half, 256>(const BwdParams&, bool, cudaStream_t);
+template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 64>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 128>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__half, 64>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__half, 128>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 256>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__half, 256>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
 
 }  // namespace magi_jax::cuda

@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -135,7 +136,10 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)
     return err;
-  const int grid = sp.num_tiles < sms || sched == Sched::kGrid ? sp.num_tiles : sms;
+  // A persistent CTA holds its SM to the end: the SMs it must leave to a collective running beside it are
+  // left out of the grid (at least one CTA stays).
+  const int ctas = std::max(1, sms - p.sm_margin);
+  const int grid = sp.num_tiles < ctas || sched == Sched::kGrid ? sp.num_tiles : ctas;
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
   return cudaGetLastError();
 }

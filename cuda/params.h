@@ -33,6 +33,15 @@ struct FwdParams {
   BlockLists lists;  // q blocks of kQBlock rows
   int hq, hkv;
   float scale, softcap;
+  int sm_margin;  // SMs the persistent sm90 grid leaves to kernels beside it (a collective in flight)
+};
+
+// A second key source for the sm90 backward (cuda/flash_bwd_sm90_kernel.h): keys [row, Tk) of the
+// problem are rows [0, Tk - row) of k2, v2, their gradients dk2, dv2 ([Tk - row, Hkv, D]); row < 0: none.
+struct KeySplit {
+  const void *k2 = nullptr, *v2 = nullptr;
+  void *dk2 = nullptr, *dv2 = nullptr;
+  int64_t row = -1;
 };
 
 struct BwdParams {

@@ -72,6 +72,27 @@ MAGI_DEV int FwdBlockWork(const SliceArgs& a, const BlockLists& lists, int qb, i
 }
 
 // Tile t -> (q block, head).
+// What the producer publishes per tile in the tile ring. It finds the tile's first step for its own loads
+// anyway, so a consumer starts the tile with one global round trip (the first slice, loaded beside the q
+// block's order entry) instead of a chain of four (order, list offsets, slice id, slice).
+struct FwdTileRecord {
+  int tile;
+  int cur, slice;  // the first step's walk cursor and slice id; cur < 0: the tile has no step
+};
+
+// The step of the (non-empty) slice `slice` at walk cursor `cur` for the q block at r0: FwdStepFrom without
+// the walk, for a slice the producer has already found.
+MAGI_DEV void FwdStepAt(const SliceArgs& a, int64_t r0, int bm, int cur, int slice, FwdStep* st) {
+  const Slice s = LoadSlice(a.q_ranges, a.k_ranges, a.types, slice, a.tq, a.tk);
+  const int64_t rb = s.qs > r0 ? s.qs : r0, re = s.qe < r0 + bm ? s.qe : r0 + bm;
+  int64_t kb, ke;
+  KeySpan(s, rb, re, &kb, &ke);
+  st->cur = cur;
+  st->s = s;
+  st->c0 = int(kb);
+  st->ke = int(ke);
+}
+
 MAGI_DEV void DecodeTile(const FwdSm90Params& p, int t, int* qb, int* h) {
   const int hq = p.base.hq;
   *qb = p.order[t / hq];

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "scheduler_sm90.h"
 #include "tile_size.h"
 
 namespace magi_jax::cuda {
@@ -75,14 +76,14 @@ struct FwdSm90Tile {
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
 };
 
-// The mbarriers and the tile ring, at kBarOffset.
+// The mbarriers and the tile ring (one FwdTileRecord per slot), at kBarOffset.
 template <int kStages, int kQStages>
 struct FwdSm90Barriers {
   uint64_t q_full[kQStages], q_empty[kQStages];
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
   uint64_t tile_full[2], tile_empty[2];
-  int tile[2];
+  FwdTileRecord tile[2];
 };
 
 

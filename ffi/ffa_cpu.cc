@@ -4,6 +4,7 @@
 // blocks those rows attend; one online softmax spans all of them, so overlapping slices merge exactly.
 // Backward: dq by the same walk; dk/dv by the mirror walk, one task per (k block, kv head) over the rows
 // attending its keys. Every output element has one owner task: no atomics, deterministic by construction.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -325,7 +326,8 @@ T* Data(ffi::Result<ffi::AnyBuffer>& b) { return reinterpret_cast<T*>(b->untyped
 
 ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges,
                       ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, float softmax_scale,
-                      float softcap, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                      float softcap, int32_t /*sm_margin: a GPU launch setting*/, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
@@ -338,20 +340,41 @@ ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
 
 ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                       ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
-                      ffi::Buffer<ffi::S32> q_ranges,
-                      ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, float softmax_scale,
+                      ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types,
+                      ffi::AnyBuffer k2, ffi::AnyBuffer v2, float softmax_scale,
                       float softcap, bool /*deterministic: always so on the CPU*/,
                       ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                      ffi::Result<ffi::AnyBuffer> dv) {
+                      ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dk2,
+                      ffi::Result<ffi::AnyBuffer> dv2) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   for (auto [name, buf, ref] : {std::tuple{"out", &out, &q}, {"dout", &dout, &q}})
     if (auto err = CheckSameShape(name, *buf, *ref); err.failure()) return err;
+  auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2);
+  if (tk2.has_error()) return tk2.error();
+  const int64_t tk1 = dims->tk;
+  dims->tk += *tk2;
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
   return DispatchDtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    Backward<T>(p, Data<T>(q), Data<T>(k), Data<T>(v), Data<T>(out), Data<T>(dout), lse.typed_data(), dlse.typed_data(),
-                Data<T>(dq), Data<T>(dk), Data<T>(dv));
+    if (*tk2 == 0) {
+      Backward<T>(p, Data<T>(q), Data<T>(k), Data<T>(v), Data<T>(out), Data<T>(dout), lse.typed_data(),
+                  dlse.typed_data(), Data<T>(dq), Data<T>(dk), Data<T>(dv));
+      return;
+    }
+    // Two key sources: the reference path runs on their concatenation.
+    const size_t n1 = size_t(tk1 * dims->hkv * dims->d), n = size_t(dims->tk * dims->hkv * dims->d);
+    std::vector<T> kc(n), vc(n), dkc(n), dvc(n);
+    std::copy(Data<T>(k), Data<T>(k) + n1, kc.begin());
+    std::copy(Data<T>(k2), Data<T>(k2) + (n - n1), kc.begin() + n1);
+    std::copy(Data<T>(v), Data<T>(v) + n1, vc.begin());
+    std::copy(Data<T>(v2), Data<T>(v2) + (n - n1), vc.begin() + n1);
+    Backward<T>(p, Data<T>(q), kc.data(), vc.data(), Data<T>(out), Data<T>(dout), lse.typed_data(),
+                dlse.typed_data(), Data<T>(dq), dkc.data(), dvc.data());
+    std::copy(dkc.begin(), dkc.begin() + n1, Data<T>(dk));
+    std::copy(dkc.begin() + n1, dkc.end(), Data<T>(dk2));
+    std::copy(dvc.begin(), dvc.begin() + n1, Data<T>(dv));
+    std::copy(dvc.begin() + n1, dvc.end(), Data<T>(dv2));
   });
 }
 

@@ -2,7 +2,11 @@
 //
 // Targets (registered per platform under the same names):
 //   magi_jax_ffa_fwd: (q, k, v, q_ranges, k_ranges, attn_type_map) -> (out, lse)
-//   magi_jax_ffa_bwd: (q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map) -> (dq, dk, dv)
+//   magi_jax_ffa_bwd: (q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, k2, v2)
+//                     -> (dq, dk, dv, dk2, dv2)
+// The backward's k2, v2 [Tk2, Hkv, D] (Tk2 may be 0) are a second key source: the keys the ranges index are
+// concat(k, k2), and dk2, dv2 are the gradients of k2, v2 (the fetched rows of a distributed backward, which
+// then need no concatenation in memory).
 // Shapes: q/out/dout/dq [Tq, Hq, D]; k/v/dk/dv [Tk, Hkv, D]; lse and dlse (the cotangent of lse, used when
 // partial results are merged by lse) [Tq, Hq] float32;
 // ranges int32 [N, 2] (half-open); attn_type_map int32 [N] (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL).
@@ -36,6 +40,7 @@ auto BindFfaFwd(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()             // attn_type_map [N]
       .template Attr<float>("softmax_scale")
       .template Attr<float>("softcap")
+      .template Attr<int32_t>("sm_margin")              // SMs the persistent forward leaves free
       .template Ret<ffi::AnyBuffer>()                    // out
       .template Ret<ffi::Buffer<ffi::F32>>();            // lse [Tq, Hq]
 }
@@ -52,12 +57,16 @@ auto BindFfaBwd(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()             // q_ranges
       .template Arg<ffi::Buffer<ffi::S32>>()             // k_ranges
       .template Arg<ffi::Buffer<ffi::S32>>()             // attn_type_map
+      .template Arg<ffi::AnyBuffer>()                    // k2
+      .template Arg<ffi::AnyBuffer>()                    // v2
       .template Attr<float>("softmax_scale")
       .template Attr<float>("softcap")
       .template Attr<bool>("deterministic")
       .template Ret<ffi::AnyBuffer>()                    // dq
       .template Ret<ffi::AnyBuffer>()                    // dk
-      .template Ret<ffi::AnyBuffer>();                   // dv
+      .template Ret<ffi::AnyBuffer>()                    // dv
+      .template Ret<ffi::AnyBuffer>()                    // dk2
+      .template Ret<ffi::AnyBuffer>();                   // dv2
 }
 
 // Problem sizes, read from the buffers once the shapes are checked.
@@ -93,6 +102,20 @@ inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::
     return ffi::Error::InvalidArgument("q_ranges/k_ranges must be [N, 2] and attn_type_map [N]");
   dims.num_slices = qr[0];
   return dims;
+}
+
+// The backward's second key source: k2 like k but for its row count, v2 and the gradients dk2, dv2 like k2.
+// Returns Tk2.
+inline ffi::ErrorOr<int64_t> CheckSecondKeys(const ffi::AnyBuffer& k, const ffi::AnyBuffer& k2,
+                                             const ffi::AnyBuffer& v2, const ffi::AnyBuffer& dk2,
+                                             const ffi::AnyBuffer& dv2) {
+  auto kd = k.dimensions(), k2d = k2.dimensions();
+  if (k2d.size() != 3 || k2d[1] != kd[1] || k2d[2] != kd[2] || k2.element_type() != k.element_type())
+    return ffi::Error::InvalidArgument("k2: must be [Tk2, Hkv, D] with k's heads, head dim and dtype");
+  if (auto err = CheckSameShape("v2", v2, k2); err.failure()) return err;
+  if (auto err = CheckSameShape("dk2", dk2, k2); err.failure()) return err;
+  if (auto err = CheckSameShape("dv2", dv2, k2); err.failure()) return err;
+  return k2d[0];
 }
 
 }  // namespace magi_jax

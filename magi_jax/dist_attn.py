@@ -13,8 +13,9 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
               FFA(local q, stage i receive buffer, stage i slices) -> (out_i, lse_i)
               out, lse = lse-merge of all parts
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
-              FFA bwd(local q, concat(local kv, every receive buffer), fused slices) -> dq, dk, dv
-              group_reduce(dk, dv of each stage's rows) -> back to the owners; dq stays local
+              FFA bwd(local q, keys local kv + the receive buffers as a second source, fused slices)
+                  -> dq, dk, dv of the local keys, dk2, dv2 of the received ones
+              group_reduce(dk2, dv2 of each stage's rows) -> back to the owners; dq stays local
               dk = local rows + returned partials, summed in float32
     (backward="staged": FFA bwd per stage, each stage's group_reduce under the next stage's call and the
     host call last; more calls, each with its own preprocess and dQ pass.)
@@ -319,6 +320,7 @@ class _Config:
     wire_dtype: str | None
     backward: str
     stack_transfers: bool
+    sm_margin: int
 
     @property
     def tables(self) -> RunTables:
@@ -333,13 +335,17 @@ def _rows(slices, r):
     return tuple(jnp.asarray(a)[r] for a in slices)
 
 
-def _fwd_call(cfg, q, k, v, slices, r):
-    return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap)
+def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False):
+    """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs."""
+    return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap,
+                         cfg.sm_margin if beside_transfer else 0)
 
 
-def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r):
-    residuals = (q, k, v, out, lse, *_rows(slices, r))
-    return ffa._ffa_bwd(cfg.scale, cfg.softcap, cfg.deterministic, residuals, (dout, dlse))[:3]
+def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None):
+    """dq, dk, dv (and dk2, dv2 with a second key source k2, v2: keys concat(k, k2), not concatenated)."""
+    grads = ffa._bwd_call(q, k, v, out, dout, lse, dlse, *_rows(slices, r), cfg.scale, cfg.softcap,
+                          cfg.deterministic, k2, v2)
+    return grads if k2 is not None else grads[:3]
 
 
 def _merge(parts, dtype):
@@ -365,8 +371,11 @@ def _forward(q, k, v, cfg: _Config):
     recv = [group_cast((k, v), st.tables, axis, cfg.stack_transfers) for st in tabs.stages]
     if cfg.plan.overlap_degree == 0 and recv:
         return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
-    parts = [_fwd_call(cfg, q, k, v, tabs.host, r)]
-    parts += [_fwd_call(cfg, q, rk, rv, st.slices, r) for st, (rk, rv) in zip(tabs.stages, recv)]
+    # The host call runs under the transfers; stage i's under those of the stages after it.
+    last = len(recv) - 1
+    parts = [_fwd_call(cfg, q, k, v, tabs.host, r, beside_transfer=bool(recv))]
+    parts += [_fwd_call(cfg, q, rk, rv, st.slices, r, beside_transfer=i < last)
+              for i, (st, (rk, rv)) in enumerate(zip(tabs.stages, recv))]
     return _merge(parts, q.dtype)
 
 
@@ -397,7 +406,6 @@ def _backward_body(cfg: _Config, res, cts):
     dout, dlse = cts
     dout, dlse = dout.astype(q.dtype), dlse.astype(jnp.float32)
     tabs, r, axis = cfg.tables, _rank(cfg), cfg.plan.axis
-    L = k.shape[0]
     wire = cfg.wire_dtype and jnp.dtype(cfg.wire_dtype)
     if not tabs.stages:
         return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
@@ -407,12 +415,16 @@ def _backward_body(cfg: _Config, res, cts):
     tables = [st.tables for st in tabs.stages]
     if cfg.backward == "fused" or cfg.plan.overlap_degree == 0:
         # One call over concat(local, every receive buffer): one preprocess, one dQ accumulator and one
-        # kernel tail instead of one per stage; the partials then travel back (not overlapped).
-        dq, dkk, dvv = _bwd_call(cfg, q, *_concat_kv(k, v, recv), out, dout, lse, dlse, tabs.fused, r)
-        ends = np.cumsum([L] + [t.buffer_len for t in tables])
-        backs = [return_partials((dkk[a:b], dvv[a:b]), t, axis, wire, cfg.stack_transfers)
+        # kernel tail instead of one per stage; the partials then travel back (not overlapped). The local
+        # keys and the received ones are the call's two key sources: neither is copied into a concatenation,
+        # and the local gradients are a buffer of their own (the partials add into it in place).
+        k2, v2 = (recv[0] if len(recv) == 1 else (jnp.concatenate([rk for rk, _ in recv]),
+                                                   jnp.concatenate([rv for _, rv in recv])))
+        dq, dk_local, dv_local, dk2, dv2 = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.fused, r, k2, v2)
+        ends = np.cumsum([0] + [t.buffer_len for t in tables])
+        backs = [return_partials((dk2[a:b], dv2[a:b]), t, axis, wire, cfg.stack_transfers)
                  for t, a, b in zip(tables, ends[:-1], ends[1:])]
-        dk, dv = _add_partials(backs, tables, axis, (dkk[:L], dvv[:L]))
+        dk, dv = _add_partials(backs, tables, axis, (dk_local, dv_local))
         return dq, dk, dv
     # Staged: stages first, the host call last: stage i's partials travel back under stage i+1's call,
     # the last ones under the host call.
@@ -440,10 +452,13 @@ _attn.defvjp(_attn_fwd, _backward)
 
 
 BACKWARDS = ("fused", "staged")
+# The forward's persistent grid holds every SM until it ends, so a group_cast launched beside it would wait
+# for it; leaving a few SMs free lets NCCL's kernel run (MagiAttention observes 4-8 suffice for all-to-all).
+SM_MARGIN = 8
 
 
 def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype,
-            backward, stack_transfers) -> _Config:
+            backward, stack_transfers, sm_margin) -> _Config:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     if backward not in BACKWARDS:
@@ -453,13 +468,14 @@ def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministi
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
     return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire, backward,
-                   bool(stack_transfers))
+                   bool(stack_transfers), ffa.check_sm_margin(sm_margin))
 
 
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
                     transport: str = "auto", reduce_wire_dtype=None, backward: str = "fused",
-                    stack_transfers: bool = False) -> tuple[jax.Array, jax.Array]:
+                    stack_transfers: bool = False, sm_margin: int = SM_MARGIN
+                    ) -> tuple[jax.Array, jax.Array]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
 
     q [L, Hq, D], k/v [L, Hkv, D]: this rank's local buffers (L = plan.local_len), or with one leading batch
@@ -472,7 +488,9 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     preprocess and dQ pass: measured slower on 2 H200s, BENCHMARKS.md); ``stack_transfers``: K and V (dK and
     dV partials) travel stacked in one collective per stage instead of one each (XLA keeps one collective
     in flight, so the second of two runs synchronously), at the price of a stack and an unstack copy (not
-    yet measured on GPUs); the rest as flex_flash_attn.
+    yet measured on GPUs); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
+    free for it (flex_flash_attn's sm_margin; 0 serialises the transfer behind the call); the rest as
+    flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -484,7 +502,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
         raise ValueError(f"q, k, v: batch dims differ: {q.shape}, {k.shape}, {v.shape}")
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
-                  backward, stack_transfers)
+                  backward, stack_transfers, sm_margin)
     if q.ndim == 3:
         return _attn(q, k, v, cfg)
     outs = [_attn(q[b], k[b], v[b], cfg) for b in range(q.shape[0])]
@@ -501,7 +519,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
     replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype, backward, stack_transfers)."""
+    reduce_wire_dtype, backward, stack_transfers, sm_margin)."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
     for name, x in (("q", q), ("k", k), ("v", v)):

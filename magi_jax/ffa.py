@@ -17,14 +17,17 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_ranges=None,
                     attn_type_map=None, *, mask: AttnMask | None = None, softmax_scale: float | None = None,
-                    softcap: float = 0.0, deterministic: bool = False) -> tuple[jax.Array, jax.Array]:
+                    softcap: float = 0.0, deterministic: bool = False,
+                    sm_margin: int = 0) -> tuple[jax.Array, jax.Array]:
     """Attention of packed q [Tq, Hq, D] over k, v [Tk, Hkv, D] restricted to a flexible mask.
 
     The mask is either `mask=` (an AttnMask) or the three arrays q_ranges [N, 2], k_ranges [N, 2] and
     attn_type_map [N] (int32; numpy or traced: a new mask with the same N does not recompile).
     Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (natural log; -inf on rows with no key).
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
-    bitwise reproducible. Differentiable in q, k, v (and through lse).
+    bitwise reproducible. sm_margin > 0 leaves that many SMs out of the forward's persistent grid (Hopper),
+    for a collective the caller runs beside it: a persistent kernel holds every SM until it ends, so a
+    communication kernel launched after it would otherwise wait. Differentiable in q, k, v (and through lse).
 
     Example::
 
@@ -49,7 +52,13 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     if not softcap >= 0.0:
         raise ValueError(f"softcap: must be >= 0, got {softcap}")
     return _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, float(softmax_scale), float(softcap),
-                bool(deterministic))
+                bool(deterministic), check_sm_margin(sm_margin))
+
+
+def check_sm_margin(sm_margin) -> int:
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, (int, np.integer)) or sm_margin < 0:
+        raise ValueError(f"sm_margin: expected an int >= 0, got {sm_margin!r}")
+    return int(sm_margin)
 
 
 def check_qkv(q, k, v) -> None:
@@ -95,35 +104,47 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
                  for x in arrays)
 
 
-def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap):
+def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0):
     _ffi.check_kernel_env()
     return _ffi.call(
         _ffi.FFA_FWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
-        q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale=np.float32(scale), softcap=np.float32(softcap))
+        q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale=np.float32(scale), softcap=np.float32(softcap),
+        sm_margin=np.int32(sm_margin))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic):
-    return _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
+    return _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin)
 
 
-def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic):
-    out, lse = _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap)
+def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
+    out, lse = _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin)
     return (out, lse), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
 
 
-def _ffa_bwd(scale, softcap, deterministic, residuals, cotangents):
+def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
+    dq, dk, dv = _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap,
+                           deterministic)[:3]
+    return dq, dk, dv, None, None, None
+
+
+def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic,
+              k2=None, v2=None):
+    """dq, dk, dv, dk2, dv2: the backward over the keys concat(k, k2) (k_ranges index them), without
+    concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty)."""
+    if k2 is None:
+        k2 = v2 = jnp.zeros((0, *k.shape[1:]), k.dtype)
     _ffi.check_kernel_env()
-    dq, dk, dv = _ffi.call(
+    return _ffi.call(
         _ffi.FFA_BWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-         jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map,
-        softmax_scale=np.float32(scale), softcap=np.float32(softcap), deterministic=deterministic)
-    return dq, dk, dv, None, None, None
+         jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(k2.shape, k2.dtype),
+         jax.ShapeDtypeStruct(v2.shape, v2.dtype)),
+        q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map, k2,
+        v2, softmax_scale=np.float32(scale), softcap=np.float32(softcap), deterministic=deterministic)
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)

@@ -66,3 +66,24 @@ def check_against_reference(attn_fn, mask: AttnMask, q, k, v, rng: np.random.Gen
         lp = lp_vjp((dout, dlse))
         for name, g, r, l in zip(("dq", "dk", "dv"), got, ref[2:], lp):
             assert_within_rule(name, g, r, l)
+
+
+def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = False):
+    """The FFA backward over keys concat(k[:split], k[split:]) both ways: one key array, and two key sources
+    (ffa._bwd_call's k2, v2: the distributed backward's path). Returns (dq, dk, dv) of each, float32 numpy,
+    the two-source dk, dv concatenated back."""
+    from magi_jax import ffa
+    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
+    scale = q.shape[-1] ** -0.5
+    out, lse = ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0)
+    rng = np.random.default_rng(split)
+    dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32))
+    args = (q, k, v, out, dout, lse, dlse, qr, kr, types, scale, 0.0, deterministic)
+    one = jax.jit(lambda *a: ffa._bwd_call(*a[:10], scale, 0.0, deterministic)[:3])(*args[:10])
+    two = jax.jit(lambda q, k, v, *a: ffa._bwd_call(q, k[:split], v[:split], *a, scale, 0.0, deterministic,
+                                                    k2=k[split:], v2=v[split:]))(*args[:10])
+    dq, dk, dv, dk2, dv2 = two
+    as_np = lambda x: np.asarray(x, np.float32)
+    return [as_np(x) for x in one], [as_np(dq), as_np(jnp.concatenate([dk, dk2])),
+                                     as_np(jnp.concatenate([dv, dv2]))]

@@ -261,6 +261,8 @@ def test_bad_arguments():
         mj.calc_attn(q, q, q, mp, transport="ragged")
     with pytest.raises(ValueError, match="backward"):
         mj.calc_attn(q, q, q, mp, backward="pipelined")
+    with pytest.raises(ValueError, match="sm_margin"):
+        mj.calc_attn(q, q, q, mp, sm_margin=-8)
     with pytest.raises(ValueError, match="the mesh has"):
         mj.calc_attn(q, q, q, make_plan(mask, 4, chunk_size=16), mesh=mesh)
     with pytest.raises(ValueError, match="no mesh"):

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
-from tests.conftest import check_against_reference, random_qkv
+from tests.conftest import check_against_reference, random_qkv, split_key_grads
 
 
 def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
@@ -221,3 +221,37 @@ def test_bad_mask_argument():
         mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), **OK_RANGES)
     with pytest.raises(ValueError, match="^softcap"):
         mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), softcap=-1.0)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError, match="^sm_margin: expected an int >= 0"):
+            mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), sm_margin=bad)
+
+
+def test_sm_margin_does_not_change_the_result():
+    # A launch setting only (the CPU handler ignores it; tests/test_ffa_sm90_gpu.py checks the GPU grid).
+    q, k, v = _qkv()
+    want = mj.flex_flash_attn(q, k, v, mask=masks.causal(16))
+    got = mj.flex_flash_attn(q, k, v, mask=masks.causal(16), sm_margin=8)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("split", [0, 37, 64, 100])
+def test_backward_with_two_key_sources_equals_one(split):
+    # The distributed backward passes its fetched keys as a second source instead of concatenating them;
+    # the gradients must be those of the concatenation (bitwise on the CPU, which concatenates internally).
+    rng = np.random.default_rng(split)
+    mask = AttnMask([[0, 40], [10, 70], [50, 90]], [[0, 60], [30, 100], [70, 100]], [1, 0, 3], 90, 100)
+    q, k, v = random_qkv(rng, 90, 100, 4, 2, 64)
+    one, two = split_key_grads(mask, q, k, v, split)
+    for name, a, b in zip(["dq", "dk", "dv"], one, two):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_second_key_source_shape_errors():
+    from magi_jax import ffa
+    q, k, v = _qkv()
+    qr, kr, t = (jnp.asarray(a) for a in (OK_RANGES["q_ranges"], OK_RANGES["k_ranges"], OK_RANGES["attn_type_map"]))
+    out, lse = ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0)
+    bad = jnp.zeros((5, k.shape[1], 32), k.dtype)  # head dim differs from k's
+    with pytest.raises(Exception, match="k2: must be"):
+        jax.block_until_ready(ffa._bwd_call(q, k, v, out, out, lse, lse, qr, kr, t, 0.125, 0.0, False, k2=bad, v2=bad))

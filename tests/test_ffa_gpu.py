@@ -15,7 +15,7 @@ import magi_jax as mj
 from magi_jax import _ffi, masks
 from magi_jax.mask import AttnMask
 from magi_jax.reference import attention_dense, attention_f64
-from tests.conftest import assert_within_rule, check_against_reference, random_qkv
+from tests.conftest import assert_within_rule, check_against_reference, random_qkv, split_key_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -380,3 +380,22 @@ def test_head_dim_256_deterministic_backward_is_refused_by_name():
     dq, dk, dv = jax.block_until_ready(grad(q, k, v, False))
     for g in (dq, dk, dv):
         assert bool(jnp.isfinite(g.astype(jnp.float32)).all())
+
+
+@pytest.mark.parametrize("d, split, deterministic", [
+    (128, 256, False),   # split on the sm90 kernel's 128-key CTAs: both sources read and written in place
+    (64, 128, False),
+    (128, 200, False),   # not on a CTA boundary: the handler's concat fallback
+    (128, 256, True),    # deterministic: the concat fallback (the mma.sync dq kernel reads K, V)
+    (256, 192, False),   # head dim 256: 64-key CTAs
+    (256, 100, False),
+])
+def test_backward_with_two_key_sources_matches_one(d, split, deterministic):
+    # The distributed backward's path (ffa._bwd_call with k2, v2) against the same keys in one array.
+    rng = np.random.default_rng(d + split)
+    mask = masks.varlen_causal([300, 250, 150])  # 700 keys: sources of 256 + 444 etc.
+    q, k, v = random_qkv(rng, 700, 700, 4, 2, d, jnp.bfloat16)
+    one, two = split_key_grads(mask, q, k, v, split, deterministic)
+    for name, a, b in zip(["dq", "dk", "dv"], one, two):
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
+        assert rel < (1e-6 if deterministic else 1e-3), (name, rel)   # atomic dq: summation order only

@@ -101,6 +101,19 @@ def test_persistent_grid_many_tiles_varlen_causal(sched, monkeypatch):
     run_case(mask, hq=8, hkv=2, d=128, grads=False, seed=11)
 
 
+@pytest.mark.parametrize("sm_margin", [8, 120, 10_000])
+def test_sm_margin_gives_the_same_bits(sm_margin):
+    # Fewer persistent CTAs (8 SMs left free; 12 CTAs; 1 CTA) take more tiles each; each tile's result does
+    # not depend on which CTA computes it.
+    rng = np.random.default_rng(13)
+    mask = masks.varlen_causal([3000, 700, 2400])
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 4, 4, 128, jnp.bfloat16)
+    qr, kr, types = mask.kernel_args()
+    fwd = lambda m: jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, qr, kr, types, sm_margin=m))(q, k, v)
+    for a, b in zip(fwd(0), fwd(sm_margin)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_forward_is_bitwise_repeatable():
     rng = np.random.default_rng(12)
     mask = masks.sliding_window([5000, 3000, 700], 512)
