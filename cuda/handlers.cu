@@ -218,15 +218,17 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
                       ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
-                      ffi::Buffer<ffi::S32> types, ffi::AnyBuffer k2, ffi::AnyBuffer v2, float softmax_scale,
-                      float softcap, bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
+                      ffi::Buffer<ffi::S32> types, ffi::AnyBuffer k2, ffi::AnyBuffer v2, ffi::AnyBuffer dq_in,
+                      float softmax_scale, float softcap, bool deterministic, bool dq_f32,
+                      ffi::Result<ffi::AnyBuffer> dq,
                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                       ffi::Result<ffi::AnyBuffer> dk2, ffi::Result<ffi::AnyBuffer> dv2) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   for (auto [name, buf] : {std::pair{"out", &out}, {"dout", &dout}})
     if (auto err = CheckSameShape(name, *buf, q); err.failure()) return err;
-  if (auto err = CheckSameShape("dq", *dq, q); err.failure()) return err;
+  auto has_dq_in = CheckDqChain(q, dq_in, *dq, dq_f32, deterministic);
+  if (has_dq_in.has_error()) return has_dq_in.error();
   if (auto err = CheckSameShape("dk", *dk, k); err.failure()) return err;
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
   auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2);
@@ -254,8 +256,9 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const ListSizes k_sizes = SizeLists(dims->tk, kKBlock, dims->num_slices);
   const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
   const size_t accum_elems = deterministic ? 0 : size_t(rows) * size_t(dims->d);
+  // Chained (dq_f32): the accumulator is dq itself, holding dq_in at the start; else scratch, from zero.
   const size_t bytes = Carver::Round(rows * 4) + k_sizes.Bytes() + (deterministic ? q_sizes.Bytes() : 0) +
-                       Carver::Round(accum_elems * 4);
+                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4));
   auto carver_or = Carver::Allocate(scratch, bytes);
   if (!carver_or.has_value())
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the backward");
@@ -292,9 +295,14 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         err != cudaSuccess)
       return CudaFailure("q-block slice lists", err);
   } else {
-    p.dq_accum = carver.Take<float>(accum_elems);
-    if (cudaError_t err = cudaMemsetAsync(p.dq_accum, 0, accum_elems * 4, stream); err != cudaSuccess)
-      return CudaFailure("dq accumulator", err);
+    p.dq_accum = dq_f32 ? dq->typed_data<float>() : carver.Take<float>(accum_elems);
+    // dq_in is aliased to dq by the Python wrapper; a caller that did not alias it gets a copy.
+    const cudaError_t err =
+        !*has_dq_in ? cudaMemsetAsync(p.dq_accum, 0, accum_elems * 4, stream)
+        : dq_in.untyped_data() == p.dq_accum
+            ? cudaSuccess
+            : cudaMemcpyAsync(p.dq_accum, dq_in.untyped_data(), accum_elems * 4, cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return CudaFailure("dq accumulator", err);
   }
 
   // A second key source: the sm90 dK/dV kernel reads it and writes its gradients in place (KeySplit); every
@@ -368,7 +376,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         }
       }
     }
-    if (!deterministic && accum_elems > 0) {
+    if (!deterministic && !dq_f32 && accum_elems > 0) {
       if (cudaError_t err = LaunchDqConvert<T>(p.dq_accum, static_cast<T*>(p.dq), int64_t(accum_elems), stream);
           err != cudaSuccess)
         return CudaFailure("dq convert", err);

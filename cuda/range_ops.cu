@@ -21,7 +21,7 @@
 namespace magi_jax::cuda {
 namespace {
 
-constexpr int kRows = 16;          // output rows per CTA
+constexpr int kRows = 8;           // output rows per CTA
 constexpr int kVec = 4;            // consecutive elements per thread
 constexpr int kMaxThreads = 256;
 constexpr int kRangeTile = 256;    // ranges staged in shared memory at a time
@@ -114,32 +114,42 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int i = 0; i < n; ++i) {
       const int3 sp = spans[i];
       if (sp.z == 0) continue;
-      const int64_t first_in = int64_t(sp.x) - sp.y;  // input row of CTA row 0
+      const Tin* first = in + (int64_t(sp.x) - sp.y) * f + col;  // the input row of CTA row 0
+      // Every row's load first, then the adds: the loads are in flight together instead of one latency each.
+      float v[kRows][kVec];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+        if (r >= sp.y && r < sp.y + sp.z) Load<kAligned>(first + r * f, n_cols, v[r]);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         if (r >= sp.y && r < sp.y + sp.z) {
           covered |= 1u << r;
-          float v[kVec];
-          Load<kAligned>(in + (first_in + r) * f + col, n_cols, v);
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[r][e] += v[e];
+          for (int e = 0; e < kVec; ++e) acc[r][e] += v[r][e];
         }
       }
     }
   }
   if (n_cols <= 0) return;
+  Tout* dst = out + r0 * f + col;
+  const int rows = int(min(int64_t(kRows), out_rows - r0));
+  if constexpr (kInto) {
+    // The initial values, all loaded before any store (a store could alias a later row's load otherwise).
+    float old[kRows][kVec];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    if (r0 + r >= out_rows) continue;
-    Tout* dst = out + (r0 + r) * f + col;
-    if constexpr (kInto) {
-      if (!(covered >> r & 1u)) continue;
-      float old[kVec];
-      Load<kAligned>(dst, n_cols, old);
+    for (int r = 0; r < kRows; ++r)
+      if (r < rows && (covered >> r & 1u)) Load<kAligned>(dst + r * f, n_cols, old[r]);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[r][e] += old[e];
-    }
-    Store<kAligned>(dst, n_cols, acc[r]);
+    for (int r = 0; r < kRows; ++r)
+      if (r < rows && (covered >> r & 1u)) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[r][e] += old[r][e];
+        Store<kAligned>(dst + r * f, n_cols, acc[r]);
+      }
+  } else {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if (r < rows) Store<kAligned>(dst + r * f, n_cols, acc[r]);
   }
 }
 

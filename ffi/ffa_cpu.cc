@@ -204,9 +204,10 @@ void TileGradients(const Params& p, const Slice& s, int64_t rb, int64_t mr, int6
   }
 }
 
-template <typename T>
+// dq in TDq: T, or float32 when chained (dq_in, if not null, added before the store).
+template <typename T, typename TDq>
 void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out, const T* dout,
-              const float* lse, const float* dlse, T* dq, T* dk, T* dv) {
+              const float* lse, const float* dlse, const float* dq_in, TDq* dq, T* dk, T* dv) {
   const auto& [tq, tk, hq, hkv, d, n] = p.dims;
   const int64_t group = hq / hkv;
   // delta = rowsum(dout * out) - dlse: the softmax-gradient correction of every (row, head); lse's own
@@ -257,7 +258,10 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
       }
     }
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t j = 0; j < d; ++j) dq[(r * hq + h) * d + j] = FromFloat<T>(float(w.acc[(r - r0) * d + j]));
+      for (int64_t j = 0; j < d; ++j) {
+        const int64_t at = (r * hq + h) * d + j;
+        dq[at] = FromFloat<TDq>(float(w.acc[(r - r0) * d + j]) + (dq_in ? dq_in[at] : 0.0f));
+      }
   });
 
   // dk, dv: one task per (k block, kv head), over every q head of its group, so each task owns its rows
@@ -341,8 +345,8 @@ ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
 ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                       ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
                       ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types,
-                      ffi::AnyBuffer k2, ffi::AnyBuffer v2, float softmax_scale,
-                      float softcap, bool /*deterministic: always so on the CPU*/,
+                      ffi::AnyBuffer k2, ffi::AnyBuffer v2, ffi::AnyBuffer dq_in, float softmax_scale,
+                      float softcap, bool deterministic /*always so on the CPU*/, bool dq_f32,
                       ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dk2,
                       ffi::Result<ffi::AnyBuffer> dv2) {
@@ -352,14 +356,25 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
     if (auto err = CheckSameShape(name, *buf, *ref); err.failure()) return err;
   auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2);
   if (tk2.has_error()) return tk2.error();
+  auto has_dq_in = CheckDqChain(q, dq_in, *dq, dq_f32, deterministic);
+  if (has_dq_in.has_error()) return has_dq_in.error();
   const int64_t tk1 = dims->tk;
   dims->tk += *tk2;
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
+  const float* dq_add = *has_dq_in ? Data<float>(dq_in) : nullptr;
   return DispatchDtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
+    // dq in T or, chained, in float32.
+    auto backward = [&](const T* kk, const T* vv, T* dkk, T* dvv) {
+      if (dq_f32)
+        Backward<T, float>(p, Data<T>(q), kk, vv, Data<T>(out), Data<T>(dout), lse.typed_data(), dlse.typed_data(),
+                           dq_add, Data<float>(dq), dkk, dvv);
+      else
+        Backward<T, T>(p, Data<T>(q), kk, vv, Data<T>(out), Data<T>(dout), lse.typed_data(), dlse.typed_data(),
+                       dq_add, Data<T>(dq), dkk, dvv);
+    };
     if (*tk2 == 0) {
-      Backward<T>(p, Data<T>(q), Data<T>(k), Data<T>(v), Data<T>(out), Data<T>(dout), lse.typed_data(),
-                  dlse.typed_data(), Data<T>(dq), Data<T>(dk), Data<T>(dv));
+      backward(Data<T>(k), Data<T>(v), Data<T>(dk), Data<T>(dv));
       return;
     }
     // Two key sources: the reference path runs on their concatenation.
@@ -369,8 +384,7 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
     std::copy(Data<T>(k2), Data<T>(k2) + (n - n1), kc.begin() + n1);
     std::copy(Data<T>(v), Data<T>(v) + n1, vc.begin());
     std::copy(Data<T>(v2), Data<T>(v2) + (n - n1), vc.begin() + n1);
-    Backward<T>(p, Data<T>(q), kc.data(), vc.data(), Data<T>(out), Data<T>(dout), lse.typed_data(),
-                dlse.typed_data(), Data<T>(dq), dkc.data(), dvc.data());
+    backward(kc.data(), vc.data(), dkc.data(), dvc.data());
     std::copy(dkc.begin(), dkc.begin() + n1, Data<T>(dk));
     std::copy(dkc.begin() + n1, dkc.end(), Data<T>(dk2));
     std::copy(dvc.begin(), dvc.begin() + n1, Data<T>(dv));

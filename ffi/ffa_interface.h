@@ -59,9 +59,11 @@ auto BindFfaBwd(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()             // attn_type_map
       .template Arg<ffi::AnyBuffer>()                    // k2
       .template Arg<ffi::AnyBuffer>()                    // v2
+      .template Arg<ffi::AnyBuffer>()                    // dq_in: float32 [Tq, Hq, D] dq adds to, or empty
       .template Attr<float>("softmax_scale")
       .template Attr<float>("softcap")
       .template Attr<bool>("deterministic")
+      .template Attr<bool>("dq_f32")                    // dq returned unrounded in float32 (dq_in + dq)
       .template Ret<ffi::AnyBuffer>()                    // dq
       .template Ret<ffi::AnyBuffer>()                    // dk
       .template Ret<ffi::AnyBuffer>()                    // dv
@@ -116,6 +118,28 @@ inline ffi::ErrorOr<int64_t> CheckSecondKeys(const ffi::AnyBuffer& k, const ffi:
   if (auto err = CheckSameShape("dk2", dk2, k2); err.failure()) return err;
   if (auto err = CheckSameShape("dv2", dv2, k2); err.failure()) return err;
   return k2d[0];
+}
+
+// A backward split into calls over disjoint key sets (the distributed staged backward) chains one float32
+// dQ accumulator through them: dq_in (empty: none) is what earlier calls summed, and with dq_f32 the call
+// returns dq_in + its own dQ unrounded. Returns whether dq_in is given.
+inline ffi::ErrorOr<bool> CheckDqChain(const ffi::AnyBuffer& q, const ffi::AnyBuffer& dq_in, const ffi::AnyBuffer& dq,
+                                       bool dq_f32, bool deterministic) {
+  const bool has_in = dq_in.element_count() != 0 || dq_in.dimensions().size() == 3;
+  auto qd = q.dimensions(), dd = dq.dimensions(), id = dq_in.dimensions();
+  bool dq_shape = dd.size() == 3;
+  for (size_t i = 0; dq_shape && i < 3; ++i) dq_shape = dd[i] == qd[i];
+  if (!dq_shape || dq.element_type() != (dq_f32 ? ffi::DataType::F32 : q.element_type()))
+    return ffi::Error::InvalidArgument("dq: must be q's shape, float32 with dq_f32 and q's dtype without");
+  if (has_in) {
+    bool in_shape = id.size() == 3 && dq_in.element_type() == ffi::DataType::F32;
+    for (size_t i = 0; in_shape && i < 3; ++i) in_shape = id[i] == qd[i];
+    if (!in_shape) return ffi::Error::InvalidArgument("dq_in: must be float32 of q's shape, or empty");
+    if (!dq_f32) return ffi::Error::InvalidArgument("dq_in: needs dq_f32 (the sum stays unrounded)");
+  }
+  if (dq_f32 && deterministic)
+    return ffi::Error::InvalidArgument("dq_f32: not with deterministic (its dQ kernel writes q's dtype)");
+  return has_in;
 }
 
 }  // namespace magi_jax

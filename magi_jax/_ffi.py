@@ -86,6 +86,8 @@ def check_kernel_env() -> None:
         raise ValueError(f"{KERNEL_ENV}: {value!r} is not a kernel; use one of {KERNELS} or leave it unset")
 
 
-def call(target: str, results, *args, **attrs) -> tuple:
-    """jax.ffi.ffi_call whose results vary like its arguments inside a shard_map."""
-    return match_varying(jax.ffi.ffi_call(target, results)(*args, **attrs), *args)
+def call(target: str, results, *args, aliases: dict[int, int] | None = None, **attrs) -> tuple:
+    """jax.ffi.ffi_call whose results vary like its arguments inside a shard_map; aliases: input index ->
+    output index (the output is written in the input's buffer)."""
+    fn = jax.ffi.ffi_call(target, results, input_output_aliases=aliases)
+    return match_varying(fn(*args, **attrs), *args)

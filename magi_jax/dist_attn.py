@@ -18,7 +18,7 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
               group_reduce(dk2, dv2 of each stage's rows) -> back to the owners; dq stays local
               dk = local rows + returned partials, summed in float32
     (backward="staged": FFA bwd per stage, each stage's group_reduce under the next stage's call and the
-    host call last; more calls, each with its own preprocess and dQ pass.)
+    host call last; more calls, each with its own preprocess, dQ chained through one float32 accumulator.)
 
 No group_cast depends on an attention call, so XLA's latency-hiding scheduler is free to run stage i's
 transfer under the host or stage i-1's kernel (and a staged backward's group_reduce i under FFA bwd i+1).
@@ -341,10 +341,11 @@ def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False):
                          cfg.sm_margin if beside_transfer else 0)
 
 
-def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None):
-    """dq, dk, dv (and dk2, dv2 with a second key source k2, v2: keys concat(k, k2), not concatenated)."""
+def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None, **dq_chain):
+    """dq, dk, dv (and dk2, dv2 with a second key source k2, v2: keys concat(k, k2), not concatenated);
+    dq_chain: ffa._bwd_call's dq_in, dq_f32."""
     grads = ffa._bwd_call(q, k, v, out, dout, lse, dlse, *_rows(slices, r), cfg.scale, cfg.softcap,
-                          cfg.deterministic, k2, v2)
+                          cfg.deterministic, k2, v2, **dq_chain)
     return grads if k2 is not None else grads[:3]
 
 
@@ -427,15 +428,24 @@ def _backward_body(cfg: _Config, res, cts):
         dk, dv = _add_partials(backs, tables, axis, (dk_local, dv_local))
         return dq, dk, dv
     # Staged: stages first, the host call last: stage i's partials travel back under stage i+1's call,
-    # the last ones under the host call.
+    # the last ones under the host call. dQ: one float32 accumulator passed from call to call and rounded
+    # once (deterministic: each call's own dQ, summed here, since that kernel writes q's dtype).
     dq, backs = None, []
+    chain = not cfg.deterministic
     for st, (rk, rv) in zip(tabs.stages, recv):
-        dq_i, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r)
+        if chain:
+            dq, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r, dq_in=dq, dq_f32=True)
+        else:
+            dq_i, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r)
+            dq = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)
         backs.append(return_partials((dk_i, dv_i), st.tables, axis, wire, cfg.stack_transfers))
-        dq = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)
-    dq_h, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
+    if chain:
+        dq, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r, dq_in=dq, dq_f32=True)
+    else:
+        dq_h, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
+        dq = dq + dq_h.astype(jnp.float32)
     dk, dv = _add_partials(backs, tables, axis, (dk_h, dv_h))
-    return (dq + dq_h.astype(jnp.float32)).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -485,7 +495,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "fused" (default: one FFA
     backward call over the local and all fetched keys, then the partials travel back) or "staged" (one call
     per stage, each stage's partials travelling back under the next call; more calls, each with its own
-    preprocess and dQ pass: measured slower on 2 H200s, BENCHMARKS.md); ``stack_transfers``: K and V (dK and
+    preprocess, dQ summed in place in one float32 buffer; measured slower on 2 H200s when each call had
+    its own dQ pass, BENCHMARKS.md); ``stack_transfers``: K and V (dK and
     dV partials) travel stacked in one collective per stage instead of one each (XLA keeps one collective
     in flight, so the second of two runs synchronously), at the price of a stack and an unstack copy (not
     yet measured on GPUs); ``sm_margin``: SMs that the forward calls running beside a group_cast leave

@@ -132,19 +132,32 @@ def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
 
 
 def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic,
-              k2=None, v2=None):
+              k2=None, v2=None, dq_in=None, dq_f32=False):
     """dq, dk, dv, dk2, dv2: the backward over the keys concat(k, k2) (k_ranges index them), without
-    concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty)."""
+    concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty).
+    A backward split into calls over disjoint key sets chains dQ in float32: dq_f32=True returns dq
+    unrounded in float32, plus dq_in (float32, q's shape) when given; the next call takes it as dq_in and
+    adds to it in place. Not with deterministic=True."""
+    if dq_f32 and deterministic:
+        raise ValueError("dq_f32: not with deterministic=True (its dQ kernel writes q's dtype)")
+    if dq_in is not None and not dq_f32:
+        raise ValueError("dq_in: needs dq_f32=True (the chained sum stays in float32)")
+    if dq_in is not None and (dq_in.shape != q.shape or dq_in.dtype != jnp.float32):
+        raise ValueError(f"dq_in: must be float32 of q's shape {q.shape}, got {dq_in.dtype}{list(dq_in.shape)}")
     if k2 is None:
         k2 = v2 = jnp.zeros((0, *k.shape[1:]), k.dtype)
+    has_in = dq_in is not None
+    if not has_in:
+        dq_in = jnp.zeros((0,), jnp.float32)
     _ffi.check_kernel_env()
     return _ffi.call(
         _ffi.FFA_BWD,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+        (jax.ShapeDtypeStruct(q.shape, jnp.float32 if dq_f32 else q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(k2.shape, k2.dtype),
          jax.ShapeDtypeStruct(v2.shape, v2.dtype)),
         q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map, k2,
-        v2, softmax_scale=np.float32(scale), softcap=np.float32(softcap), deterministic=deterministic)
+        v2, dq_in, aliases={12: 0} if has_in else None, softmax_scale=np.float32(scale),
+        softcap=np.float32(softcap), deterministic=deterministic, dq_f32=dq_f32)
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)

@@ -87,3 +87,26 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
     as_np = lambda x: np.asarray(x, np.float32)
     return [as_np(x) for x in one], [as_np(dq), as_np(jnp.concatenate([dk, dk2])),
                                      as_np(jnp.concatenate([dv, dv2]))]
+
+
+def chained_dq_grads(mask: AttnMask, q, k, v, cut: int):
+    """The FFA backward over the mask's slices in one call, and in two calls over slices [:cut] and [cut:]
+    (the same out and lse: each slice's gradient is its own) chaining dQ through ffa._bwd_call's float32
+    dq_in / dq_f32, as the staged distributed backward does. Returns (dq, dk, dv) of each, float32 numpy."""
+    from magi_jax import ffa
+    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
+    scale = q.shape[-1] ** -0.5
+    out, lse = ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0)
+    rng = np.random.default_rng(cut)
+    dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32))
+    one = jax.jit(lambda *a: ffa._bwd_call(*a, qr, kr, types, scale, 0.0, False)[:3])(q, k, v, out, dout, lse, dlse)
+
+    def chained(*a):
+        first = ffa._bwd_call(*a, qr[:cut], kr[:cut], types[:cut], scale, 0.0, False, dq_f32=True)
+        second = ffa._bwd_call(*a, qr[cut:], kr[cut:], types[cut:], scale, 0.0, False, dq_in=first[0], dq_f32=True)
+        assert second[0].dtype == jnp.float32
+        return second[0], first[1] + second[1], first[2] + second[2]
+
+    two = jax.jit(chained)(q, k, v, out, dout, lse, dlse)
+    return [np.asarray(x, np.float32) for x in one], [np.asarray(x, np.float32) for x in two]

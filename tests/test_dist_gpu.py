@@ -91,6 +91,12 @@ def test_transports_2gpu(transport):
     check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=2, transport=transport, hq=4, hkv=4, **BF16)
 
 
+@pytest.mark.parametrize("overlap", [1, 3])
+def test_staged_backward_2gpu(overlap):
+    # One backward call per stage, dQ chained in float32 from call to call (aliased in place on the GPU).
+    check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=overlap, backward="staged", hq=4, hkv=4, **BF16)
+
+
 @pytest.mark.parametrize("hq, hkv, overlap", [(8, 2, 2), (4, 1, 4)])
 def test_gqa_2gpu(hq, hkv, overlap):
     check_dist(masks.block_causal(GDOCS, 256), gpu_mesh(), overlap=overlap, hq=hq, hkv=hkv, **BF16)

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
-from tests.conftest import check_against_reference, random_qkv, split_key_grads
+from tests.conftest import chained_dq_grads, check_against_reference, random_qkv, split_key_grads
 
 
 def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
@@ -245,6 +245,32 @@ def test_backward_with_two_key_sources_equals_one(split):
     one, two = split_key_grads(mask, q, k, v, split)
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def test_backward_chained_over_slice_sets_equals_one_call():
+    # The staged distributed backward: calls over disjoint slice sets, dQ summed in one float32 accumulator.
+    rng = np.random.default_rng(3)
+    mask = AttnMask([[0, 40], [10, 70], [50, 90], [0, 90]], [[0, 60], [60, 80], [80, 100], [100, 120]],
+                    [1, 0, 3, 0], 90, 120)
+    q, k, v = random_qkv(rng, 90, 120, 4, 2, 64)
+    one, two = chained_dq_grads(mask, q, k, v, cut=2)
+    for name, a, b in zip(["dq", "dk", "dv"], one, two):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_dq_chain_argument_errors():
+    from magi_jax import ffa
+    q, k, v = _qkv()
+    qr, kr, t = (jnp.asarray(a) for a in (OK_RANGES["q_ranges"], OK_RANGES["k_ranges"], OK_RANGES["attn_type_map"]))
+    out, lse = ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0)
+    acc = jnp.zeros(q.shape, jnp.float32)
+    with pytest.raises(ValueError, match="^dq_in: needs dq_f32"):
+        ffa._bwd_call(q, k, v, out, out, lse, lse, qr, kr, t, 0.125, 0.0, False, dq_in=acc)
+    with pytest.raises(ValueError, match="^dq_f32: not with deterministic"):
+        ffa._bwd_call(q, k, v, out, out, lse, lse, qr, kr, t, 0.125, 0.0, True, dq_f32=True)
+    with pytest.raises(Exception, match="dq_in: must be float32 of q's shape"):
+        jax.block_until_ready(ffa._bwd_call(q, k, v, out, out, lse, lse, qr, kr, t, 0.125, 0.0, False,
+                                            dq_in=acc[:5], dq_f32=True))
 
 
 def test_second_key_source_shape_errors():
