@@ -4,8 +4,9 @@
 // of the k block's list, every q head of the GQA group, every row tile of 64 rows attending the keys.
 // Only the producer walks; it hands each step (first row, q head, the slice) to the consumers in shared
 // memory (BwdSm90Step), and ends the walk with one row_full phase without data (kStepEnd).
-//   producer warp:  K, V once -> kv_full; per step: lse (log2 units, +inf for empty rows), delta and the
-//                   step by plain stores, then Q, dO by TMA -> row_full[stage], after row_empty[stage]
+//   producer warp:  K, V once -> kv_full; per step, after row_empty[stage]: Q, dO by TMA -> row_full[stage],
+//                   then lse (log2 units, +inf for empty rows), delta and the step by plain stores, and the
+//                   arrival on row_full[stage]
 //   consumer wg w:  keys [64 w, 64 w + 64) of the block (wgmma M = 64); per step
 //                   S^T = K Q^T, dP^T = V dO^T (SS, both K-major, N = 64 rows),
 //                   P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - delta) (exact mask per cell unless the
@@ -463,7 +464,19 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     for (StartSlice(walk, args, c0, c1, walk.First(args), &st); st.cur >= 0;
          AdvanceStep(walk, args, c0, c1, group, BM, &st)) {
       const int h = hk * group + st.head;
-      if (lane == 0) MbarWait(&bars.row_empty[ps.stage], ps.phase ^ 1);
+      if (lane == 0) {
+        MbarWait(&bars.row_empty[ps.stage], ps.phase ^ 1);
+        // Q and dO first: their transfer overlaps the lse / delta loads below (one float per row, stride Hq,
+        // a memory latency per step); lane 0's arrival after those stores completes the phase.
+        MbarExpectTx(&bars.row_full[ps.stage], 2 * Tile::kRowBytes);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          TmaLoad3d(sq + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.q_map, &bars.row_full[ps.stage], 64 * c, h,
+                    int(st.rb));
+          TmaLoad3d(sdo + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.do_map, &bars.row_full[ps.stage], 64 * c,
+                    h, int(st.rb));
+        }
+      }
       __syncwarp();
 #pragma unroll
       for (int i = lane; i < BM; i += 32) {
@@ -485,16 +498,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
                      : "memory");
       }
       __syncwarp();  // the lanes' stores precede lane 0's arrive (release) below
-      if (lane == 0) {
-        MbarArriveExpectTx(&bars.row_full[ps.stage], 2 * Tile::kRowBytes);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          TmaLoad3d(sq + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.q_map, &bars.row_full[ps.stage], 64 * c, h,
-                    int(st.rb));
-          TmaLoad3d(sdo + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.do_map, &bars.row_full[ps.stage], 64 * c,
-                    h, int(st.rb));
-        }
-      }
+      if (lane == 0) MbarArrive(&bars.row_full[ps.stage]);
       ps.Advance();
     }
     // The end of the walk: one more row_full phase, without data, whose step says kStepEnd.

@@ -37,6 +37,12 @@ MAGI_DEV void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(bytes)
                : "memory");
 }
+// Announces `bytes` of TMA transactions for the current phase without arriving: the TMA can be issued before
+// the data the producer writes itself, whose arrival (MbarArrive, a release) then completes the phase.
+MAGI_DEV void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddr(bar)), "r"(bytes)
+               : "memory");
+}
 // Waits until the phase with this parity has completed (a fresh barrier counts its phase "-1", parity 1,
 // as complete, so producers start waiting on the empty barriers with parity 1). The retry loop stays inside
 // one asm statement: a C++ loop would be a divergent path to ptxas, which then serialises the wgmmas.
