@@ -83,6 +83,24 @@ Sched SchedFromEnv() {
   return Sched::kLpt;
 }
 
+// Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V, all tk keys of them, fill at
+// most half of L2 (MAGI_JAX_SM90_L2_BYTES overrides that budget, for tests and measurements); at least one
+// group.
+int SectionHeads(const FwdParams& p, int d, int elem_bytes, int device) {
+  int64_t budget = 0;
+  if (const char* env = std::getenv("MAGI_JAX_SM90_L2_BYTES")) {
+    budget = std::atoll(env);
+  } else {
+    int l2 = 0;
+    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess) l2 = 0;
+    budget = l2 / 2;
+  }
+  const int group = p.hq / p.hkv;
+  const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.slices.tk) * d * elem_bytes * 2);
+  const int64_t kv_heads = std::clamp<int64_t>(budget / kv_head_bytes, 1, p.hkv);
+  return int(kv_heads) * group;
+}
+
 }  // namespace
 
 int64_t FwdSm90ScratchInts(int64_t tq) { return 2 * ((tq + kQBlock - 1) / kQBlock) + 1; }
@@ -132,6 +150,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   sp.order = order;
   sp.counter = counter;
   sp.num_tiles = num_blocks * p.hq;
+  sp.section_heads = SectionHeads(p, D, int(sizeof(T)), device);
   auto kernel = FlashFwdSm90Kernel<T, D>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

@@ -114,6 +114,21 @@ def test_sm_margin_gives_the_same_bits(sm_margin):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (4, 4), (6, 3)])
+def test_l2_sections_give_the_same_bits(hq, hkv, monkeypatch):
+    # MAGI_JAX_SM90_L2_BYTES=1: one GQA group per L2 section (hkv sections, the tile order changes); the
+    # default here: one section (few keys). A tile's result does not depend on when it runs.
+    rng = np.random.default_rng(14)
+    mask = masks.varlen_causal([1500, 700, 2400, 300])
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hkv, 128, jnp.bfloat16)
+    qr, kr, types = mask.kernel_args()
+    fwd = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, qr, kr, types))
+    want = [np.asarray(x) for x in fwd(q, k, v)]
+    monkeypatch.setenv("MAGI_JAX_SM90_L2_BYTES", "1")
+    for a, b in zip(want, fwd(q, k, v)):
+        np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_forward_is_bitwise_repeatable():
     rng = np.random.default_rng(12)
     mask = masks.sliding_window([5000, 3000, 700], 512)
