@@ -33,9 +33,14 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
 // enqueued nothing, when the inputs do not suit TMA: the caller then runs LaunchBwdDkDv. `split`: a second
 // key source (KeySplit); its row must be a multiple of the kernel's keys per CTA (BwdSm90Tile<D>::kBlockN:
 // 128, 64 at D 256), else cudaErrorNotSupported.
+int64_t BwdSm90ScratchInts(int64_t tk);  // p.k_order's size
 template <typename T, int D>
 cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream,
                               const KeySplit& split = KeySplit{});
+
+// order = blocks 0..num_blocks-1 by decreasing work[] (tile_order.cu), or last to first with last_first.
+cudaError_t LaunchOrderByWork(const int32_t* work, int num_blocks, bool last_first, int32_t* order,
+                              cudaStream_t stream);
 
 template <typename T>
 cudaError_t LaunchDqConvert(const float* acc, T* dq, int64_t n, cudaStream_t stream);

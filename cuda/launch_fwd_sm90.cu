@@ -30,48 +30,6 @@ __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args,
   if ((threadIdx.x & 31) == 0) work[qb] = w;
 }
 
-// order = q blocks by decreasing work: a counting sort over kBuckets buckets (work clamped) in one CTA.
-// With `last_first`, no sort: q blocks last to first (the mma.sync kernel's order; work is not read).
-constexpr int kOrderThreads = 1024;
-constexpr int kBuckets = 4096;
-__global__ void __launch_bounds__(kOrderThreads) FwdOrderKernel(const int32_t* work, int num_blocks, bool last_first,
-                                                                int32_t* order) {
-  __shared__ int count[kBuckets];
-  __shared__ int partial[kOrderThreads];
-  constexpr int kPer = kBuckets / kOrderThreads;
-  const int tid = threadIdx.x;
-  if (last_first) {
-    for (int x = tid; x < num_blocks; x += kOrderThreads) order[x] = num_blocks - 1 - x;
-    return;
-  }
-  for (int b = tid; b < kBuckets; b += kOrderThreads) count[b] = 0;
-  __syncthreads();
-  // Bucket kBuckets - 1 - min(work, kBuckets - 1): the largest work lands first.
-  for (int x = tid; x < num_blocks; x += kOrderThreads)
-    atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1);
-  __syncthreads();
-  // Exclusive scan of count: each thread sums kPer consecutive buckets, a Hillis-Steele scan of the sums.
-  int local = 0;
-  for (int i = 0; i < kPer; ++i) local += count[tid * kPer + i];
-  partial[tid] = local;
-  __syncthreads();
-  for (int stride = 1; stride < kOrderThreads; stride *= 2) {
-    const int add = tid >= stride ? partial[tid - stride] : 0;
-    __syncthreads();
-    partial[tid] += add;
-    __syncthreads();
-  }
-  int run = partial[tid] - local;
-  for (int i = 0; i < kPer; ++i) {
-    const int c = count[tid * kPer + i];
-    count[tid * kPer + i] = run;
-    run += c;
-  }
-  __syncthreads();
-  for (int x = tid; x < num_blocks; x += kOrderThreads)
-    order[atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1)] = x;
-}
-
 // MAGI_JAX_SM90_SCHED, for measuring the scheduler's share: "lpt" (default: persistent, longest first),
 // "natural" (persistent, q blocks last-first), "grid" (one CTA per tile, last-first: not persistent).
 enum class Sched { kLpt, kNatural, kGrid };
@@ -143,8 +101,8 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
         p.slices, p.lists, num_blocks, work);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
-  FwdOrderKernel<<<1, kOrderThreads, 0, stream>>>(work, num_blocks, sched != Sched::kLpt, order);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (cudaError_t err = LaunchOrderByWork(work, num_blocks, sched != Sched::kLpt, order, stream); err != cudaSuccess)
+    return err;
 
   sp.base = p;
   sp.order = order;

@@ -1,0 +1,59 @@
+// The longest-first order shared by the sm90 kernels' schedulers (scheduler_sm90.h for the forward's q
+// blocks, flash_bwd_sm90_kernel.h for the backward's k blocks): a counting sort of blocks by decreasing work
+// in one CTA, work clamped to kBuckets - 1; ties in any order (that changes when a block runs, never its
+// result).
+#include "launch.h"
+
+namespace magi_jax::cuda {
+namespace {
+
+constexpr int kOrderThreads = 1024;
+constexpr int kBuckets = 4096;
+
+__global__ void __launch_bounds__(kOrderThreads) OrderByWorkKernel(const int32_t* work, int num_blocks,
+                                                                   bool last_first, int32_t* order) {
+  __shared__ int count[kBuckets];
+  __shared__ int partial[kOrderThreads];
+  constexpr int kPer = kBuckets / kOrderThreads;
+  const int tid = threadIdx.x;
+  if (last_first) {
+    for (int x = tid; x < num_blocks; x += kOrderThreads) order[x] = num_blocks - 1 - x;
+    return;
+  }
+  for (int b = tid; b < kBuckets; b += kOrderThreads) count[b] = 0;
+  __syncthreads();
+  // Bucket kBuckets - 1 - min(work, kBuckets - 1): the largest work lands first.
+  for (int x = tid; x < num_blocks; x += kOrderThreads)
+    atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1);
+  __syncthreads();
+  // Exclusive scan of count: each thread sums kPer consecutive buckets, a Hillis-Steele scan of the sums.
+  int local = 0;
+  for (int i = 0; i < kPer; ++i) local += count[tid * kPer + i];
+  partial[tid] = local;
+  __syncthreads();
+  for (int stride = 1; stride < kOrderThreads; stride *= 2) {
+    const int add = tid >= stride ? partial[tid - stride] : 0;
+    __syncthreads();
+    partial[tid] += add;
+    __syncthreads();
+  }
+  int run = partial[tid] - local;
+  for (int i = 0; i < kPer; ++i) {
+    const int c = count[tid * kPer + i];
+    count[tid * kPer + i] = run;
+    run += c;
+  }
+  __syncthreads();
+  for (int x = tid; x < num_blocks; x += kOrderThreads)
+    order[atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1)] = x;
+}
+
+}  // namespace
+
+cudaError_t LaunchOrderByWork(const int32_t* work, int num_blocks, bool last_first, int32_t* order,
+                              cudaStream_t stream) {
+  OrderByWorkKernel<<<1, kOrderThreads, 0, stream>>>(work, num_blocks, last_first, order);
+  return cudaGetLastError();
+}
+
+}  // namespace magi_jax::cuda
