@@ -321,7 +321,7 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     from tests.test_dist_helpers import async_overlap, collective_dependencies
     n = mesh.shape["cp"]
     mask = make_mask(args.masks[0], args.tokens_per_gpu * n, seed=args.seed)
-    fn, mp = build_magi(mask, mesh, args)
+    fn, mp = build_magi(mask, mesh, args, backward=args.profile_backward)
     dtype = jnp.dtype(args.dtype)
     shape_q = (mp.padded_seqlen, args.heads, args.head_dim)
     shape_k = (mp.padded_seqlen, args.kv_heads, args.head_dim)
@@ -332,7 +332,7 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     text = g.lower(q, k, v).compile().as_text()
     (log_dir / "hlo").mkdir(parents=True, exist_ok=True)
     (log_dir / "hlo" / "magi_fwd_bwd.txt").write_text(text)
-    print(f"\nprofile: {args.masks[0]}, {mp!r}")
+    print(f"\nprofile: {args.masks[0]}, backward {args.profile_backward}, {mp!r}")
     deps = collective_dependencies(text)
     waiting = {c: d for c, d in deps.items() if d}
     print(f"collectives: {len(deps)}, of which {len(waiting)} wait for an attention call (group_reduce: each "
@@ -409,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--profile", type=pathlib.Path, default=None, help="trace magi fwd+bwd into this folder")
     ap.add_argument("--profile-only", action="store_true")
+    ap.add_argument("--profile-backward", default="fused", choices=dist_attn.BACKWARDS,
+                    help="the backward of the profiled magi step")
     args = ap.parse_args(argv)
     devices = jax.devices(args.platform)
     n = args.gpus or len(devices)
