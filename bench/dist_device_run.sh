@@ -7,9 +7,11 @@
 #   bash bench/dist_device_run.sh                       # all steps (may pass the 10-minute limit of one call)
 #   bash bench/dist_device_run.sh build tests           # then, on the same (warm) machine:
 #   bash bench/dist_device_run.sh build profile bench   # (the second build is incremental: seconds)
+#   bash bench/dist_device_run.sh build compare         # magi variants side by side, default flags and limit 2
 #
 # Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, PROFILE_VARIANTS ("name:VAR=v VAR='v w';..."),
-# *_TIMEOUT (seconds per step). Every step is time-limited so that partial results come back.
+# COMPARE_METHODS (default "magi magi_staged magi_nomargin single"), *_TIMEOUT (seconds per step). Every step
+# is time-limited so that partial results come back.
 set -u
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-/tmp/magi_dist_out}
@@ -78,7 +80,18 @@ for s in $STEPS; do
       echo "--- appended to BENCHMARKS.md:" >> "$SUMMARY"
       tail -n +"$((lines + 1))" BENCHMARKS.md >> "$SUMMARY"
       ;;
-    *) echo "unknown step $s (build, tests, profile, bench)" | tee -a "$SUMMARY" ;;
+    compare)
+      # One process per flag setting (XLA reads its flags once); varlen causal only, nothing appended.
+      : > "$OUT/compare.log"
+      for flags in "" "$LIMIT2"; do
+        echo "=== XLA_FLAGS='$flags'" >> "$OUT/compare.log"
+        step "compare (XLA_FLAGS='$flags')" "${COMPARE_TIMEOUT:-120}" "$OUT/compare.log" \
+          env XLA_FLAGS="$flags" python3 bench/dist.py --no-append --masks varlen_causal \
+          --methods ${COMPARE_METHODS:-magi magi_staged magi_nomargin single}
+      done
+      grep -E "^(===|\| varlen)" "$OUT/compare.log" >> "$SUMMARY"
+      ;;
+    *) echo "unknown step $s (build, tests, profile, bench, compare)" | tee -a "$SUMMARY" ;;
   esac
 done
 cat "$SUMMARY"
