@@ -495,8 +495,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "fused" (default: one FFA
     backward call over the local and all fetched keys, then the partials travel back) or "staged" (one call
     per stage, each stage's partials travelling back under the next call; more calls, each with its own
-    preprocess, dQ summed in place in one float32 buffer; measured slower on 2 H200s when each call had
-    its own dQ pass, BENCHMARKS.md); ``stack_transfers``: K and V (dK and
+    preprocess, dQ summed in place in one float32 buffer; still ~4% slower than fused on 2 H200s,
+    BENCHMARKS.md); ``stack_transfers``: K and V (dK and
     dV partials) travel stacked in one collective per stage instead of one each (XLA keeps one collective
     in flight, so the second of two runs synchronously), at the price of a stack and an unstack copy (not
     yet measured on GPUs); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
