@@ -88,6 +88,8 @@ def check_kernel_env() -> None:
 
 def call(target: str, results, *args, aliases: dict[int, int] | None = None, **attrs) -> tuple:
     """jax.ffi.ffi_call whose results vary like its arguments inside a shard_map; aliases: input index ->
-    output index (the output is written in the input's buffer)."""
-    fn = jax.ffi.ffi_call(target, results, input_output_aliases=aliases)
+    output index (the output is written in the input's buffer). Under jax.vmap the calls run one batch
+    element after another (the kernels take one packed sequence; packing a batch into one varlen mask is
+    the fast way)."""
+    fn = jax.ffi.ffi_call(target, results, input_output_aliases=aliases, vmap_method="sequential")
     return match_varying(fn(*args, **attrs), *args)

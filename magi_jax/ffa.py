@@ -25,7 +25,8 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     attn_type_map [N] (int32; numpy or traced: a new mask with the same N does not recompile).
     Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (natural log; -inf on rows with no key).
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
-    bitwise reproducible. sm_margin > 0 leaves that many SMs out of the forward's persistent grid (Hopper),
+    bitwise reproducible. Under jax.vmap the calls run one batch element after another (packing the batch
+    into one varlen mask is faster). sm_margin > 0 leaves that many SMs out of the forward's persistent grid (Hopper),
     for a collective the caller runs beside it: a persistent kernel holds every SM until it ends, so a
     communication kernel launched after it would otherwise wait. Differentiable in q, k, v (and through lse).
 
