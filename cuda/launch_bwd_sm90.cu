@@ -85,13 +85,16 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
                                                                  Tile::kDqBoxCols, Tile::kBlockM)))
     return cudaErrorNotSupported;
   sp.base = p;
-  int32_t* work = p.k_order;
-  int32_t* order = p.k_order + num_blocks;
-  BwdWorkKernel<Tile::kBlockN, Tile::kBlockM><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0,
-                                                 stream>>>(p.slices, p.k_lists, num_blocks, work);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  if (cudaError_t err = LaunchOrderByWork(work, num_blocks, false, order, stream); err != cudaSuccess) return err;
-  sp.order = order;
+  sp.order = nullptr;  // key order
+  if (Sm90SchedFromEnv() == Sm90Sched::kLpt) {
+    int32_t* work = p.k_order;
+    int32_t* order = p.k_order + num_blocks;
+    BwdWorkKernel<Tile::kBlockN, Tile::kBlockM><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0,
+                                                   stream>>>(p.slices, p.k_lists, num_blocks, work);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    if (cudaError_t err = LaunchOrderByWork(work, num_blocks, false, order, stream); err != cudaSuccess) return err;
+    sp.order = order;
+  }
   auto kernel = reduce_dq ? FlashBwdSm90Kernel<T, D, true> : FlashBwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "flash_fwd_sm90_kernel.h"
@@ -30,16 +29,6 @@ __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args,
   if ((threadIdx.x & 31) == 0) work[qb] = w;
 }
 
-// MAGI_JAX_SM90_SCHED, for measuring the scheduler's share: "lpt" (default: persistent, longest first),
-// "natural" (persistent, q blocks last-first), "grid" (one CTA per tile, last-first: not persistent).
-enum class Sched { kLpt, kNatural, kGrid };
-Sched SchedFromEnv() {
-  const char* env = std::getenv("MAGI_JAX_SM90_SCHED");
-  if (env == nullptr) return Sched::kLpt;
-  if (std::strcmp(env, "natural") == 0) return Sched::kNatural;
-  if (std::strcmp(env, "grid") == 0) return Sched::kGrid;
-  return Sched::kLpt;
-}
 
 // Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V, all tk keys of them, fill at
 // most half of L2 (MAGI_JAX_SM90_L2_BYTES overrides that budget, for tests and measurements); at least one
@@ -94,14 +83,14 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   int32_t* work = scratch;
   int32_t* order = scratch + num_blocks;
   int32_t* counter = order + num_blocks;
-  const Sched sched = SchedFromEnv();
+  const Sm90Sched sched = Sm90SchedFromEnv();
   if (cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(int32_t), stream); err != cudaSuccess) return err;
-  if (sched == Sched::kLpt) {
+  if (sched == Sm90Sched::kLpt) {
     FwdWorkKernel<Tile::kBlockN><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
         p.slices, p.lists, num_blocks, work);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
-  if (cudaError_t err = LaunchOrderByWork(work, num_blocks, sched != Sched::kLpt, order, stream); err != cudaSuccess)
+  if (cudaError_t err = LaunchOrderByWork(work, num_blocks, sched != Sm90Sched::kLpt, order, stream); err != cudaSuccess)
     return err;
 
   sp.base = p;
@@ -116,7 +105,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   // A persistent CTA holds its SM to the end: the SMs it must leave to a collective running beside it are
   // left out of the grid (at least one CTA stays).
   const int ctas = std::max(1, sms - p.sm_margin);
-  const int grid = sp.num_tiles < ctas || sched == Sched::kGrid ? sp.num_tiles : ctas;
+  const int grid = sp.num_tiles < ctas || sched == Sm90Sched::kGrid ? sp.num_tiles : ctas;
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
   return cudaGetLastError();
 }

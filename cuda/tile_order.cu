@@ -2,6 +2,9 @@
 // blocks, flash_bwd_sm90_kernel.h for the backward's k blocks): a counting sort of blocks by decreasing work
 // in one CTA, work clamped to kBuckets - 1; ties in any order (that changes when a block runs, never its
 // result).
+#include <cstdlib>
+#include <cstring>
+
 #include "launch.h"
 
 namespace magi_jax::cuda {
@@ -49,6 +52,14 @@ __global__ void __launch_bounds__(kOrderThreads) OrderByWorkKernel(const int32_t
 }
 
 }  // namespace
+
+Sm90Sched Sm90SchedFromEnv() {
+  const char* env = std::getenv("MAGI_JAX_SM90_SCHED");
+  if (env == nullptr) return Sm90Sched::kLpt;
+  if (std::strcmp(env, "natural") == 0) return Sm90Sched::kNatural;
+  if (std::strcmp(env, "grid") == 0) return Sm90Sched::kGrid;
+  return Sm90Sched::kLpt;
+}
 
 cudaError_t LaunchOrderByWork(const int32_t* work, int num_blocks, bool last_first, int32_t* order,
                               cudaStream_t stream) {

@@ -129,6 +129,22 @@ def test_l2_sections_give_the_same_bits(hq, hkv, monkeypatch):
         np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+@pytest.mark.parametrize("d", [128, 256])
+def test_backward_k_block_order_gives_the_same_bits(d, monkeypatch):
+    # The dK/dV kernel's k blocks longest first (default) or in key order (MAGI_JAX_SM90_SCHED=natural): each
+    # CTA owns its keys' dK, dV, so the order changes nothing (deterministic=False: dq's reduce-adds aside).
+    rng = np.random.default_rng(15)
+    mask = masks.varlen_causal([300, 1700, 900, 500])
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 4, 2, d, jnp.bfloat16)
+    qr, kr, types = mask.kernel_args()
+    loss = lambda q, k, v: (mj.flex_flash_attn(q, k, v, qr, kr, types)[0].astype(jnp.float32) ** 2).sum()
+    grads = jax.jit(jax.grad(loss, argnums=(1, 2)))
+    want = [np.asarray(x) for x in grads(q, k, v)]
+    monkeypatch.setenv("MAGI_JAX_SM90_SCHED", "natural")
+    for a, b in zip(want, grads(q, k, v)):
+        np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def test_forward_is_bitwise_repeatable():
     rng = np.random.default_rng(12)
     mask = masks.sliding_window([5000, 3000, 700], 512)
