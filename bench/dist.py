@@ -163,6 +163,23 @@ def build_allgather(mask, mesh, args):
     return fn, plan
 
 
+def lse_merge(parts, dtype):
+    """Ring attention's merge of its steps' partial results (autodiff runs through it): lse = logsumexp_i
+    lse_i, out = sum_i exp(lse_i - lse) out_i, in float32; rows with no key anywhere stay out 0, lse -inf."""
+    if len(parts) == 1:
+        return parts[0][0].astype(dtype), parts[0][1]
+    lses = jnp.stack([lse for _, lse in parts])
+    top = jnp.max(lses, axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lses - top)
+    total = w.sum(axis=0)
+    has = total > 0
+    lse = jnp.where(has, jnp.log(jnp.where(has, total, 1.0)) + top, -jnp.inf)
+    w = w / jnp.where(has, total, 1.0)
+    out = sum(w[i][..., None] * o.astype(jnp.float32) for i, (o, _) in enumerate(parts))
+    return out.astype(dtype), lse
+
+
 def build_ring(mask, mesh, args):
     plan = _zigzag(mask, mesh, args)
     cp = plan.cp
@@ -181,7 +198,7 @@ def build_ring(mask, mesh, args):
                 k, v = jax.lax.ppermute((k, v), "cp", shift)
             if busy[j]:
                 parts.append(_ffa(q, k, v, [jnp.asarray(a)[r] for a in steps[j]], scale))
-        return dist_attn._merge(parts, q.dtype)
+        return lse_merge(parts, q.dtype)
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=(P("cp"), P("cp")), check_vma=False)
     return fn, plan

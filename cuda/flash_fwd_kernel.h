@@ -94,6 +94,9 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 2) FlashFwdKernel(FwdPar
 
   float lse[MT * 2];
   softmax.Finish(acc, scale_log2, lse);
+  if (p.out_prev != nullptr)
+    MergeWithPrevious<T, MT, DT>(acc, lse, static_cast<const T*>(p.out_prev), p.lse_prev, r0 + warp_row0, tq, p.hq,
+                                 h, tid & 31);
   CpAsyncWait<0>();
   __syncthreads();  // Q is free (and nothing is in flight): stage the output there
   StoreRowsAndLse<T, MT, DT, BM, D, kThreads>(acc, lse, sq, static_cast<T*>(p.out) + r0 * q_stride + int64_t(h) * D,

@@ -24,6 +24,7 @@
 #pragma once
 
 #include "block_lists.h"
+#include "epilogue.h"
 #include "mask.h"
 #include "params.h"
 #include "scheduler_sm90.h"
@@ -476,6 +477,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // -------------------------------------------------------------------------------------------- epilogue
     float lse[2];
     softmax.Finish(o, scale_log2, lse);
+    if (fp.out_prev != nullptr)
+      MergeWithPrevious<T, 1, DT>(reinterpret_cast<float(&)[1][DT][4]>(o), lse, static_cast<const T*>(fp.out_prev),
+                                  fp.lse_prev, wr0 + wwarp * 16, tq, fp.hq, h, lane);
     if (wtid == 0) BulkWaitRead();  // the previous tile's store has read the staging buffer
     NamedBarrierSync(kEpilogueBarrier + cw, 128);
 #pragma unroll

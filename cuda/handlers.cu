@@ -146,13 +146,16 @@ SliceArgs MakeSliceArgs(const FfaDims& dims, const ffi::Buffer<ffi::S32>& q_rang
 
 ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
-                      ffi::Buffer<ffi::S32> types, float softmax_scale, float softcap, int32_t sm_margin,
+                      ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev,
+                      float softmax_scale, float softcap, int32_t sm_margin,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
   if (sm_margin < 0) return ffi::Error::InvalidArgument("sm_margin: must be >= 0");
+  auto merge = CheckMergeInputs(q, out_prev, lse_prev);
+  if (merge.has_error()) return merge.error();
 
   const bool sm90_only = dims->d == kSm90OnlyHeadDim;
   if (sm90_only) {
@@ -189,6 +192,17 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.scale = softmax_scale;
   p.softcap = softcap;
   p.sm_margin = sm_margin;
+  // Merged in place: the Python wrapper aliases out_prev to out and lse_prev to lse. Unaliased, the rows no
+  // tile writes would keep garbage, so the inputs are copied over first.
+  if (*merge) {
+    for (auto [dst, src, bytes] : {std::tuple{out->untyped_data(), out_prev.untyped_data(), out->size_bytes()},
+                                   {lse->untyped_data(), lse_prev.untyped_data(), lse->size_bytes()}})
+      if (dst != src)
+        if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream); err != cudaSuccess)
+          return CudaFailure("out_prev", err);
+    p.out_prev = out->untyped_data();
+    p.lse_prev = lse->typed_data();
+  }
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;

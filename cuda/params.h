@@ -34,6 +34,10 @@ struct FwdParams {
   int hq, hkv;
   float scale, softcap;
   int sm_margin;  // SMs the persistent sm90 grid leaves to kernels beside it (a collective in flight)
+  // An earlier call's out [Tq, Hq, D] (q's dtype) and lse [Tq, Hq] to merge with (epilogue.h
+  // MergeWithPrevious), aliased to out and lse; null: none.
+  const void* out_prev;
+  const float* lse_prev;
 };
 
 // A second key source for the sm90 backward (cuda/flash_bwd_sm90_kernel.h): keys [row, Tk) of the

@@ -121,8 +121,10 @@ BlockLists KBlockLists(const Params& p) {
   });
 }
 
+// out_prev, lse_prev (null: none): an earlier call's results over the same rows, merged into this one's.
 template <typename T>
-void Forward(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse) {
+void Forward(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse, const T* out_prev,
+             const float* lse_prev) {
   const auto& [tq, tk, hq, hkv, d, n] = p.dims;
   const int64_t group = hq / hkv;
   BlockLists lists = QBlockLists(p);
@@ -171,10 +173,23 @@ void Forward(const Params& p, const T* q, const T* k, const T* v, T* out, float*
     }
     for (int64_t i = 0; i < m; ++i) {
       const bool empty = w.l[i] == 0.0;
-      const double inv = empty ? 0.0 : 1.0 / w.l[i];
-      T* o = out + ((r0 + i) * hq + h) * d;
-      for (int64_t j = 0; j < d; ++j) o[j] = FromFloat<T>(float(w.acc[i * d + j] * inv));
-      lse[(r0 + i) * hq + h] = empty ? kNegInf : float(w.m[i] + std::log(w.l[i]));
+      const int64_t at = (r0 + i) * hq + h;
+      double wc = empty ? 0.0 : 1.0 / w.l[i], wp = 0.0;  // weights of this call's sums and of out_prev
+      double row_lse = empty ? kNegInf : w.m[i] + std::log(w.l[i]);
+      if (out_prev != nullptr) {
+        const double lp = lse_prev[at], top = std::max(row_lse, lp);
+        if (top != kNegInf) {
+          const double a = std::exp(row_lse - top), b = std::exp(lp - top);
+          wc *= a / (a + b);
+          wp = b / (a + b);
+          row_lse = top + std::log(a + b);
+        }
+      }
+      T* o = out + at * d;
+      const T* prev = out_prev == nullptr ? nullptr : out_prev + at * d;
+      for (int64_t j = 0; j < d; ++j)
+        o[j] = FromFloat<T>(float(w.acc[i * d + j] * wc + (prev ? wp * ToFloat(prev[j]) : 0.0)));
+      lse[at] = float(row_lse);
     }
   });
 }
@@ -329,16 +344,20 @@ template <typename T>
 T* Data(ffi::Result<ffi::AnyBuffer>& b) { return reinterpret_cast<T*>(b->untyped_data()); }
 
 ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges,
-                      ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, float softmax_scale,
+                      ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev,
+                      ffi::AnyBuffer lse_prev, float softmax_scale,
                       float softcap, int32_t /*sm_margin: a GPU launch setting*/, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
+  auto merge = CheckMergeInputs(q, out_prev, lse_prev);
+  if (merge.has_error()) return merge.error();
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
   return DispatchDtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    Forward<T>(p, Data<T>(q), Data<T>(k), Data<T>(v), Data<T>(out), lse->typed_data());
+    Forward<T>(p, Data<T>(q), Data<T>(k), Data<T>(v), Data<T>(out), lse->typed_data(),
+               *merge ? Data<T>(out_prev) : nullptr, *merge ? Data<float>(lse_prev) : nullptr);
   });
 }
 

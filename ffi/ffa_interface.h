@@ -38,6 +38,8 @@ auto BindFfaFwd(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()             // q_ranges [N, 2]
       .template Arg<ffi::Buffer<ffi::S32>>()             // k_ranges [N, 2]
       .template Arg<ffi::Buffer<ffi::S32>>()             // attn_type_map [N]
+      .template Arg<ffi::AnyBuffer>()                    // out_prev: an earlier call's out to merge with, or empty
+      .template Arg<ffi::AnyBuffer>()                    // lse_prev: its lse [Tq, Hq] float32, or empty
       .template Attr<float>("softmax_scale")
       .template Attr<float>("softcap")
       .template Attr<int32_t>("sm_margin")              // SMs the persistent forward leaves free
@@ -118,6 +120,20 @@ inline ffi::ErrorOr<int64_t> CheckSecondKeys(const ffi::AnyBuffer& k, const ffi:
   if (auto err = CheckSameShape("dk2", dk2, k2); err.failure()) return err;
   if (auto err = CheckSameShape("dv2", dv2, k2); err.failure()) return err;
   return k2d[0];
+}
+
+// A forward split into calls over disjoint key sets (the distributed forward: host keys, then each stage's)
+// merges each call into the previous one's out and lse (given, aliased to out and lse) instead of a merge
+// pass after them. Returns whether they are given (both empty: not).
+inline ffi::ErrorOr<bool> CheckMergeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& out_prev,
+                                           const ffi::AnyBuffer& lse_prev) {
+  const bool has_out = out_prev.dimensions().size() == 3, has_lse = lse_prev.dimensions().size() == 2;
+  if (!has_out && !has_lse) return false;
+  if (auto err = CheckSameShape("out_prev", out_prev, q); err.failure()) return err;
+  auto qd = q.dimensions(), ld = lse_prev.dimensions();
+  if (!has_lse || ld[0] != qd[0] || ld[1] != qd[1] || lse_prev.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("lse_prev: must be float32 [Tq, Hq] with out_prev");
+  return true;
 }
 
 // A backward split into calls over disjoint key sets (the distributed staged backward) chains one float32

@@ -9,9 +9,9 @@
 Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan with stages 0..n-1:
 
     forward   group_cast(stage i keys) for every i      -- depend on the local k, v only
-              FFA(local q, local kv, host slices) -> (out_h, lse_h)
-              FFA(local q, stage i receive buffer, stage i slices) -> (out_i, lse_i)
-              out, lse = lse-merge of all parts
+              FFA(local q, local kv, host slices) -> (out, lse)
+              FFA(local q, stage i receive buffer, stage i slices, prev=(out, lse)) -> (out, lse)
+                  -- each stage's part lse-merged into the result so far by the kernel, in place
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
               FFA bwd(local q, keys local kv + the receive buffers as a second source, fused slices)
                   -> dq, dk, dv of the local keys, dk2, dv2 of the received ones
@@ -335,10 +335,11 @@ def _rows(slices, r):
     return tuple(jnp.asarray(a)[r] for a in slices)
 
 
-def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False):
-    """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs."""
+def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False, prev=None):
+    """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs.
+    prev: the (out, lse) of the calls before, merged in by the kernel."""
     return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap,
-                         cfg.sm_margin if beside_transfer else 0)
+                         cfg.sm_margin if beside_transfer else 0, prev)
 
 
 def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None, **dq_chain):
@@ -349,35 +350,19 @@ def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None, *
     return grads if k2 is not None else grads[:3]
 
 
-def _merge(parts, dtype):
-    """lse-merge of partial results: lse = logsumexp_i lse_i, out = sum_i exp(lse_i - lse) out_i, in
-    float32; rows with no key anywhere stay out 0, lse -inf (no NaN)."""
-    if len(parts) == 1:
-        return parts[0][0].astype(dtype), parts[0][1]
-    lses = jnp.stack([lse for _, lse in parts])
-    top = jnp.max(lses, axis=0)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lses - top)
-    total = w.sum(axis=0)
-    has = total > 0
-    lse = jnp.where(has, jnp.log(jnp.where(has, total, 1.0)) + top, -jnp.inf)
-    w = w / jnp.where(has, total, 1.0)
-    out = sum(w[i][..., None] * o.astype(jnp.float32) for i, (o, _) in enumerate(parts))
-    return out.astype(dtype), lse
-
-
 def _forward(q, k, v, cfg: _Config):
     tabs, r = cfg.tables, _rank(cfg)
     axis = cfg.plan.axis
     recv = [group_cast((k, v), st.tables, axis, cfg.stack_transfers) for st in tabs.stages]
     if cfg.plan.overlap_degree == 0 and recv:
         return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
-    # The host call runs under the transfers; stage i's under those of the stages after it.
+    # The host call runs under the transfers; stage i's under those of the stages after it. Each stage call
+    # merges its part into the out and lse so far, in place (no merge pass over all parts after them).
     last = len(recv) - 1
-    parts = [_fwd_call(cfg, q, k, v, tabs.host, r, beside_transfer=bool(recv))]
-    parts += [_fwd_call(cfg, q, rk, rv, st.slices, r, beside_transfer=i < last)
-              for i, (st, (rk, rv)) in enumerate(zip(tabs.stages, recv))]
-    return _merge(parts, q.dtype)
+    out = _fwd_call(cfg, q, k, v, tabs.host, r, beside_transfer=bool(recv))
+    for i, (st, (rk, rv)) in enumerate(zip(tabs.stages, recv)):
+        out = _fwd_call(cfg, q, rk, rv, st.slices, r, beside_transfer=i < last, prev=out)
+    return out
 
 
 def _concat_kv(k, v, recv):

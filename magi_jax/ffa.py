@@ -105,13 +105,25 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
                  for x in arrays)
 
 
-def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0):
+def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0, prev=None):
+    """out, lse over the slices given; prev: (out, lse) of an earlier call over the same q and other keys
+    (disjoint slices), merged in by the kernel and updated in place: the result is that of both calls'
+    slices together."""
+    if prev is None:
+        prev = (jnp.zeros((0,), q.dtype), jnp.zeros((0,), jnp.float32))
+        aliases = None
+    else:
+        if prev[0].shape != q.shape or prev[0].dtype != q.dtype or prev[1].shape != q.shape[:2]:
+            raise ValueError(f"prev: expected out {q.shape} {q.dtype} and lse {q.shape[:2]} float32, got "
+                             f"{prev[0].shape} {prev[0].dtype} and {prev[1].shape}")
+        prev = (prev[0], prev[1].astype(jnp.float32))
+        aliases = {6: 0, 7: 1}
     _ffi.check_kernel_env()
     return _ffi.call(
         _ffi.FFA_FWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
-        q, k, v, q_ranges, k_ranges, attn_type_map, softmax_scale=np.float32(scale), softcap=np.float32(softcap),
-        sm_margin=np.int32(sm_margin))
+        q, k, v, q_ranges, k_ranges, attn_type_map, *prev, aliases=aliases, softmax_scale=np.float32(scale),
+        softcap=np.float32(softcap), sm_margin=np.int32(sm_margin))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))

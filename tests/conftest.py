@@ -89,6 +89,23 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
                                      as_np(jnp.concatenate([dv, dv2]))]
 
 
+def merged_forward(mask: AttnMask, q, k, v, cut: int):
+    """The FFA forward over the mask's slices in one call, and in two: slices [:cut], then slices [cut:]
+    merging into the first call's out and lse (ffa._fwd_call's prev, as the distributed forward's stage
+    calls do). Returns ((out, lse) of one call, (out, lse) of the two), float32 numpy."""
+    from magi_jax import ffa
+    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
+    scale = q.shape[-1] ** -0.5
+    one = jax.jit(lambda q, k, v: ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0))(q, k, v)
+
+    def two(q, k, v):
+        first = ffa._fwd_call(q, k, v, qr[:cut], kr[:cut], types[:cut], scale, 0.0)
+        return ffa._fwd_call(q, k, v, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
+
+    return ([np.asarray(x, np.float32) for x in one],
+            [np.asarray(x, np.float32) for x in jax.jit(two)(q, k, v)])
+
+
 def chained_dq_grads(mask: AttnMask, q, k, v, cut: int):
     """The FFA backward over the mask's slices in one call, and in two calls over slices [:cut] and [cut:]
     (the same out and lse: each slice's gradient is its own) chaining dQ through ffa._bwd_call's float32

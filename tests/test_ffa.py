@@ -12,7 +12,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
-from tests.conftest import chained_dq_grads, check_against_reference, random_qkv, split_key_grads
+from tests.conftest import (chained_dq_grads, check_against_reference, merged_forward, random_qkv,
+                            split_key_grads)
 
 
 def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
@@ -256,6 +257,30 @@ def test_backward_chained_over_slice_sets_equals_one_call():
     one, two = chained_dq_grads(mask, q, k, v, cut=2)
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_forward_merged_into_a_previous_call_equals_one_call():
+    # The distributed forward's stage calls: each merges its slices' part into the out and lse so far, in
+    # place. Rows 0-9 have keys only in the first call, 90-99 in none (0 / -inf, no NaN).
+    rng = np.random.default_rng(4)
+    mask = AttnMask([[0, 40], [10, 70], [50, 90], [10, 90]], [[0, 60], [60, 80], [80, 100], [100, 120]],
+                    [1, 0, 3, 0], 100, 120)
+    q, k, v = random_qkv(rng, 100, 120, 4, 2, 64)
+    one, two = merged_forward(mask, q, k, v, cut=2)
+    for name, a, b in zip(["out", "lse"], one, two):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert np.all(two[1][90:] == -np.inf) and np.all(two[0][90:] == 0)
+
+
+def test_forward_prev_argument_errors():
+    from magi_jax import ffa
+    q, k, v = _qkv()
+    qr, kr, t = (jnp.asarray(a) for a in (OK_RANGES["q_ranges"], OK_RANGES["k_ranges"], OK_RANGES["attn_type_map"]))
+    out, lse = ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0)
+    with pytest.raises(ValueError, match="^prev: expected out"):
+        ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0, prev=(out[:4], lse))
+    with pytest.raises(ValueError, match="^prev: expected out"):
+        ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0, prev=(out, lse[:, :1]))
 
 
 def test_vmap_over_a_batch_matches_a_loop():

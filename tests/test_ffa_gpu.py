@@ -15,8 +15,8 @@ import magi_jax as mj
 from magi_jax import _ffi, masks
 from magi_jax.mask import AttnMask
 from magi_jax.reference import attention_dense, attention_f64
-from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, random_qkv,
-                            split_key_grads)
+from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, merged_forward,
+                            random_qkv, split_key_grads)
 
 pytestmark = pytest.mark.gpu
 
@@ -413,3 +413,16 @@ def test_backward_chained_dq_matches_one_call(d):
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
         assert rel < 1e-2, (name, rel)   # dk, dv: two bf16 partials added; dq: the atomics' order only
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward_merged_into_a_previous_call_matches_one_call(d):
+    # The distributed forward's stage calls: the kernel merges its part into the out and lse so far, in place
+    # (this file runs on the default sm90 kernels, tests/test_ffa_mma_gpu.py on mma.sync).
+    rng = np.random.default_rng(d + 1)
+    mask = masks.varlen_causal([300, 250, 150])
+    q, k, v = random_qkv(rng, 700, 700, 4, 2, d, jnp.bfloat16)
+    one, two = merged_forward(mask, q, k, v, cut=2)
+    for name, a, b in zip(["out", "lse"], one, two):
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
+        assert rel < 1e-2, (name, rel)   # out: rounded to bf16 once more in between
