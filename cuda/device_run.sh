@@ -6,7 +6,8 @@
 # Tests: tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py (the default sm90 kernels); MMA=1 adds
 # tests/test_ffa_mma_gpu.py (the same suite on the mma.sync kernels). QUICK=1: only a subset (what is
 # particular to sm90, each mask type, GQA, softcap, both dtypes, head dim 256 by mask type, the two key
-# sources, the chained dQ, sm_margin, L2 sections), tests and bench 170 s each.
+# sources, the chained dQ, sm_margin, L2 sections, the k-block order, the merged forward), tests and bench
+# 170 s each.
 # Knobs: TESTS (pytest args), TEST_FILES, BENCH_ARGS, *_TIMEOUT, SKIP_TESTS, SKIP_BENCH, TEST_WORKERS.
 #   QUICK=1 bash cuda/device_run.sh             # about 5 minutes
 #   SKIP_BENCH=1 MMA=1 TEST_WORKERS=8 bash cuda/device_run.sh   # every kernel test, both kernel families
