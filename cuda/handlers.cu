@@ -138,6 +138,11 @@ ffi::Error CheckSizes(const FfaDims& dims) {
   return ffi::Error::Success();
 }
 
+// An input the Python wrapper aliases to an output (updated in place): copied over only if XLA did not alias it.
+cudaError_t CopyUnlessAliased(void* out, const void* in, size_t bytes, cudaStream_t stream) {
+  return out == in ? cudaSuccess : cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream);
+}
+
 SliceArgs MakeSliceArgs(const FfaDims& dims, const ffi::Buffer<ffi::S32>& q_ranges,
                         const ffi::Buffer<ffi::S32>& k_ranges, const ffi::Buffer<ffi::S32>& types) {
   return {q_ranges.typed_data(), k_ranges.typed_data(), types.typed_data(), int(dims.num_slices), int(dims.tq),
@@ -192,14 +197,14 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.scale = softmax_scale;
   p.softcap = softcap;
   p.sm_margin = sm_margin;
-  // Merged in place: the Python wrapper aliases out_prev to out and lse_prev to lse. Unaliased, the rows no
-  // tile writes would keep garbage, so the inputs are copied over first.
+  // Merged in place: the kernels read out_prev, lse_prev from out, lse.
   if (*merge) {
-    for (auto [dst, src, bytes] : {std::tuple{out->untyped_data(), out_prev.untyped_data(), out->size_bytes()},
-                                   {lse->untyped_data(), lse_prev.untyped_data(), lse->size_bytes()}})
-      if (dst != src)
-        if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream); err != cudaSuccess)
-          return CudaFailure("out_prev", err);
+    if (cudaError_t err = CopyUnlessAliased(out->untyped_data(), out_prev.untyped_data(), out->size_bytes(), stream);
+        err != cudaSuccess)
+      return CudaFailure("out_prev", err);
+    if (cudaError_t err = CopyUnlessAliased(lse->untyped_data(), lse_prev.untyped_data(), lse->size_bytes(), stream);
+        err != cudaSuccess)
+      return CudaFailure("lse_prev", err);
     p.out_prev = out->untyped_data();
     p.lse_prev = lse->typed_data();
   }
@@ -312,12 +317,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       return CudaFailure("q-block slice lists", err);
   } else {
     p.dq_accum = dq_f32 ? dq->typed_data<float>() : carver.Take<float>(accum_elems);
-    // dq_in is aliased to dq by the Python wrapper; a caller that did not alias it gets a copy.
-    const cudaError_t err =
-        !*has_dq_in ? cudaMemsetAsync(p.dq_accum, 0, accum_elems * 4, stream)
-        : dq_in.untyped_data() == p.dq_accum
-            ? cudaSuccess
-            : cudaMemcpyAsync(p.dq_accum, dq_in.untyped_data(), accum_elems * 4, cudaMemcpyDeviceToDevice, stream);
+    const cudaError_t err = *has_dq_in ? CopyUnlessAliased(p.dq_accum, dq_in.untyped_data(), accum_elems * 4, stream)
+                                       : cudaMemsetAsync(p.dq_accum, 0, accum_elems * 4, stream);
     if (err != cudaSuccess) return CudaFailure("dq accumulator", err);
   }
 

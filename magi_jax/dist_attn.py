@@ -415,20 +415,18 @@ def _backward_body(cfg: _Config, res, cts):
     # Staged: stages first, the host call last: stage i's partials travel back under stage i+1's call,
     # the last ones under the host call. dQ: one float32 accumulator passed from call to call and rounded
     # once (deterministic: each call's own dQ, summed here, since that kernel writes q's dtype).
+    def call(kk, vv, slices, dq):
+        """One staged call: (dq so far plus this call's, in float32), dk, dv."""
+        if not cfg.deterministic:
+            return _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, r, dq_in=dq, dq_f32=True)
+        dq_i, dk_i, dv_i = _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, r)
+        return (dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)), dk_i, dv_i
+
     dq, backs = None, []
-    chain = not cfg.deterministic
     for st, (rk, rv) in zip(tabs.stages, recv):
-        if chain:
-            dq, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r, dq_in=dq, dq_f32=True)
-        else:
-            dq_i, dk_i, dv_i = _bwd_call(cfg, q, rk, rv, out, dout, lse, dlse, st.slices, r)
-            dq = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)
+        dq, dk_i, dv_i = call(rk, rv, st.slices, dq)
         backs.append(return_partials((dk_i, dv_i), st.tables, axis, wire, cfg.stack_transfers))
-    if chain:
-        dq, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r, dq_in=dq, dq_f32=True)
-    else:
-        dq_h, dk_h, dv_h = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
-        dq = dq + dq_h.astype(jnp.float32)
+    dq, dk_h, dv_h = call(k, v, tabs.host, dq)
     dk, dv = _add_partials(backs, tables, axis, (dk_h, dv_h))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

@@ -68,21 +68,29 @@ def check_against_reference(attn_fn, mask: AttnMask, q, k, v, rng: np.random.Gen
             assert_within_rule(name, g, r, l)
 
 
+def _backward_inputs(mask: AttnMask, q, k, v, seed: int):
+    """The mask's kernel arguments, the softmax scale, and a backward's inputs: the forward's out and lse,
+    fresh random cotangents dout, dlse."""
+    from magi_jax import ffa
+    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
+    scale = q.shape[-1] ** -0.5
+    out, lse = ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0)
+    rng = np.random.default_rng(seed)
+    dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32))
+    return (qr, kr, types), scale, (out, dout, lse, dlse)
+
+
 def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = False):
     """The FFA backward over keys concat(k[:split], k[split:]) both ways: one key array, and two key sources
     (ffa._bwd_call's k2, v2: the distributed backward's path). Returns (dq, dk, dv) of each, float32 numpy,
     the two-source dk, dv concatenated back."""
     from magi_jax import ffa
-    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
-    scale = q.shape[-1] ** -0.5
-    out, lse = ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0)
-    rng = np.random.default_rng(split)
-    dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
-    dlse = jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32))
-    args = (q, k, v, out, dout, lse, dlse, qr, kr, types, scale, 0.0, deterministic)
-    one = jax.jit(lambda *a: ffa._bwd_call(*a[:10], scale, 0.0, deterministic)[:3])(*args[:10])
+    (qr, kr, types), scale, (out, dout, lse, dlse) = _backward_inputs(mask, q, k, v, seed=split)
+    args = (q, k, v, out, dout, lse, dlse, qr, kr, types)
+    one = jax.jit(lambda *a: ffa._bwd_call(*a, scale, 0.0, deterministic)[:3])(*args)
     two = jax.jit(lambda q, k, v, *a: ffa._bwd_call(q, k[:split], v[:split], *a, scale, 0.0, deterministic,
-                                                    k2=k[split:], v2=v[split:]))(*args[:10])
+                                                    k2=k[split:], v2=v[split:]))(*args)
     dq, dk, dv, dk2, dv2 = two
     as_np = lambda x: np.asarray(x, np.float32)
     return [as_np(x) for x in one], [as_np(dq), as_np(jnp.concatenate([dk, dk2])),
@@ -111,12 +119,7 @@ def chained_dq_grads(mask: AttnMask, q, k, v, cut: int):
     (the same out and lse: each slice's gradient is its own) chaining dQ through ffa._bwd_call's float32
     dq_in / dq_f32, as the staged distributed backward does. Returns (dq, dk, dv) of each, float32 numpy."""
     from magi_jax import ffa
-    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
-    scale = q.shape[-1] ** -0.5
-    out, lse = ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0)
-    rng = np.random.default_rng(cut)
-    dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
-    dlse = jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32))
+    (qr, kr, types), scale, (out, dout, lse, dlse) = _backward_inputs(mask, q, k, v, seed=cut)
     one = jax.jit(lambda *a: ffa._bwd_call(*a, qr, kr, types, scale, 0.0, False)[:3])(q, k, v, out, dout, lse, dlse)
 
     def chained(*a):
