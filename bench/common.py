@@ -83,6 +83,24 @@ def kernel_totals(events: Sequence[dict]) -> list[tuple[str, float]]:
     return sorted(total.items(), key=lambda x: -x[1])
 
 
+def last_step(events: Sequence[dict], steps: int) -> tuple[list[tuple[float, dict, float]], float, float]:
+    """The last of `steps` identical steps in one GPU's events (the last len / steps by start time):
+    (start from the step's first event, event, idle gap before it: no event of this GPU running) in start
+    order, the step's span and its idle total, in the trace's microseconds."""
+    ks = sorted(events, key=lambda e: e["ts"])
+    step = ks[len(ks) - len(ks) // steps:]
+    if not step:
+        return [], 0.0, 0.0
+    t0 = busy_until = step[0]["ts"]
+    rows, idle = [], 0.0
+    for e in step:
+        gap = max(0.0, e["ts"] - busy_until)
+        idle += gap
+        busy_until = max(busy_until, e["ts"] + e["dur"])
+        rows.append((e["ts"] - t0, e, gap))
+    return rows, busy_until - t0, idle
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]

@@ -18,7 +18,7 @@ length (mean 4096, at least 256), 64k tokens per GPU by default; bf16, 16 heads,
 
     python bench/dist.py                                    # 2+ GPUs
     python bench/dist.py --profile /tmp/trace               # also a jax.profiler trace of magi fwd+bwd
-    python bench/dist.py --platform cpu --gpus 4 --tokens-per-gpu 512 --heads 2 --head-dim 64 \\
+    python bench/dist.py --platform cpu --gpus 4 --tokens-per-gpu 512 --heads 2 --kv-heads 2 --head-dim 64 \\
         --dtype float32 --no-append                         # smoke run on host devices
 """
 
@@ -51,7 +51,7 @@ from magi_jax.mask import AttnMask, slice_areas  # noqa: E402
 from magi_jax.planner import make_plan  # noqa: E402
 from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
 from bench.common import (append_report, attention_flops, doc_lengths, gpu_kernel_events,  # noqa: E402
-                          kernel_totals, markdown_table, median_seconds, newest_perfetto_trace)
+                          kernel_totals, last_step, markdown_table, median_seconds, newest_perfetto_trace)
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
@@ -331,10 +331,14 @@ def report(results: list[dict], args, n: int) -> str:
 
 # --------------------------------------------------------------------------------------------- profiling
 
+PROFILE_STEPS = 3
+
+
 def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
-    """A jax.profiler trace of magi's forward+backward on the first mask, the compiled schedule (which
-    attention calls sit between each async transfer's start and done), and the kernel overlap measured in
-    the trace (NCCL kernels running while attention kernels run)."""
+    """A jax.profiler trace of magi's forward+backward (or forward alone: --profile-pass fwd) on the first
+    mask, the compiled schedule (which attention calls sit between each async transfer's start and done),
+    the kernel overlap measured in the trace (NCCL kernels running while attention kernels run), and the
+    last step's kernels in time order on each GPU."""
     from tests.test_dist_helpers import async_overlap, collective_dependencies
     n = mesh.shape["cp"]
     mask = make_mask(args.masks[0], args.tokens_per_gpu * n, seed=args.seed)
@@ -345,11 +349,11 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     sh = NamedSharding(mesh, P("cp"))
     q, k, v = (jax.device_put(jax.random.normal(jax.random.key(i), s, jnp.float32).astype(dtype), sh)
                for i, s in enumerate((shape_q, shape_k, shape_k)))
-    g = fwd_bwd(fn)
+    g = fwd_bwd(fn) if args.profile_pass == "fwd+bwd" else jax.jit(fn)
     text = g.lower(q, k, v).compile().as_text()
     (log_dir / "hlo").mkdir(parents=True, exist_ok=True)
     (log_dir / "hlo" / "magi_fwd_bwd.txt").write_text(text)
-    print(f"\nprofile: {args.masks[0]}, backward {args.profile_backward}, {mp!r}")
+    print(f"\nprofile: {args.masks[0]}, {args.profile_pass}, backward {args.profile_backward}, {mp!r}")
     deps = collective_dependencies(text)
     waiting = {c: d for c, d in deps.items() if d}
     print(f"collectives: {len(deps)}, of which {len(waiting)} wait for an attention call (group_reduce: each "
@@ -364,13 +368,14 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     for _ in range(3):
         jax.block_until_ready(g(q, k, v))
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
-        for _ in range(3):
+        for _ in range(PROFILE_STEPS):
             jax.block_until_ready(g(q, k, v))
     trace = newest_perfetto_trace(log_dir)
     if trace is None:
         print("no perfetto trace written")
         return
     summarize_trace(trace)
+    step_timeline(trace, PROFILE_STEPS)
 
 
 def summarize_trace(path: pathlib.Path) -> dict:
@@ -405,6 +410,18 @@ def summarize_trace(path: pathlib.Path) -> dict:
     return summary
 
 
+def step_timeline(path: pathlib.Path, steps: int) -> None:
+    """Per GPU, the last of `steps` identical steps: every kernel in start order with its start (ms from the
+    step's first kernel), duration, and the idle gap before it, then the step's span and idle total: where
+    a step's time goes that no kernel accounts for."""
+    for gpu, ks in gpu_kernel_events(path).items():
+        rows, span, idle = last_step(ks, steps)
+        print(f"{gpu}: last step, {len(rows)} kernels")
+        for start, e, gap in rows:
+            print(f"  {start / 1e3:8.3f} ms  {e['dur'] / 1e3:7.3f} ms  idle before {gap / 1e3:6.3f}  {e['name'][:90]}")
+        print(f"  span {span / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--platform", default="gpu", choices=["gpu", "cpu"])
@@ -428,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-only", action="store_true")
     ap.add_argument("--profile-backward", default="fused", choices=dist_attn.BACKWARDS,
                     help="the backward of the profiled magi step")
+    ap.add_argument("--profile-pass", default="fwd+bwd", choices=["fwd", "fwd+bwd"],
+                    help="profile magi's forward+backward step or its forward alone")
     args = ap.parse_args(argv)
     devices = jax.devices(args.platform)
     n = args.gpus or len(devices)

@@ -71,7 +71,7 @@ def ffa(mask: AttnMask, deterministic: bool = False) -> Callable:
 
 # Implementations that are FFA with a kernel chosen by environment variables the handler reads at every call
 # (cuda/handlers.cu, cuda/launch.h), to measure a scheduler's share side by side: ffa_grid, the sm90 forward
-# without its persistent scheduler (one CTA per tile); ffa_natural, neither kernel's longest-first order;
+# without its persistent scheduler (one CTA per tile); ffa_natural, the forward's q blocks not longest first;
 # ffa_l2all, the forward's tiles in one L2 section (all heads at once).
 FFA_KERNELS = {
     "ffa_mma": {"MAGI_JAX_FFA_KERNEL": "mma"},
@@ -371,7 +371,7 @@ def main() -> None:
     parser.add_argument("--impls", nargs="*", default=["ffa", "ffa_mma", "cudnn", "tokamax", "xla_dense"],
                         help="implementations; ffa_det adds FFA with deterministic=True, ffa_mma is FFA with the "
                              "mma.sync kernels, ffa_grid the sm90 forward without its persistent scheduler, "
-                             "ffa_natural without the longest-first orders, ffa_l2all without L2 sections")
+                             "ffa_natural without the longest-first order, ffa_l2all without L2 sections")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args()
     device = jax.devices()[0]

@@ -53,10 +53,6 @@ struct BwdSm90Params {
   // (a CTA's keys come from one source); INT_MAX without a second source.
   CUtensorMap k2_map, v2_map, dk2_map, dv2_map;
   int split_row;
-  // CTA x (of the grid's k-block dimension) takes k block order[x]: k blocks by decreasing work, so that the
-  // long ones (the first keys of long documents under a causal mask) do not start last and trail the grid.
-  // Null: key order (MAGI_JAX_SM90_SCHED=natural).
-  const int32_t* order;
   BwdParams base;
 };
 
@@ -433,7 +429,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
   const BwdParams& bp = p.base;
   const SliceArgs& args = bp.slices;
-  const int kb = p.order ? p.order[blockIdx.x] : int(blockIdx.x), hk = int(blockIdx.y), group = bp.hq / bp.hkv;
+  const int kb = int(blockIdx.x), hk = int(blockIdx.y), group = bp.hq / bp.hkv;
 
   if (tid == 0) {
     MbarInit(&bars.kv_full, 1);

@@ -171,6 +171,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       MbarInit(&bars.tile_full[i], 1);
       MbarInit(&bars.tile_empty[i], Tile::kConsumerThreads);
     }
+    bars.tail_first = TailSectionStart(p, int(gridDim.x));
     MbarInitFence();
   }
   __syncthreads();
@@ -191,9 +192,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     int tile = blockIdx.x;
     while (true) {
       // Decode the tile and find its first step, then publish the step's cursor and slice (FwdTileRecord).
-      FwdTileRecord rec{tile, -1, 0};
       int qb = 0, h = 0;
-      if (tile < p.num_tiles) DecodeTile(p, tile, &qb, &h);
+      if (tile < p.num_tiles) DecodeTile(p, bars.tail_first, tile, &qb, &h);
+      FwdTileRecord rec{tile < p.num_tiles ? qb * fp.hq + h : p.num_tiles, -1, 0};
       const SliceWalk walk(args, fp.lists, qb);  // q block 0 past the last tile: read, not walked
       FwdStep first;
       first.cur = -1;
@@ -295,10 +296,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     MbarArrive(&bars.tile_empty[slot]);  // after the record is read (the arrive releases the slot)
     const int tile = __shfl_sync(0xffffffffu, rec.tile, 0);  // uniform, visibly
     if (tile >= p.num_tiles) break;
-    // The q block and head from the tile as before: ptxas recomputes them where used instead of holding them
-    // across the mainloop (from the record they were held, and the D 64 consumers spilled).
-    int qb, h;
-    DecodeTile(p, tile, &qb, &h);
+    // The q block and head from the record's qb * hq + h: ptxas recomputes them where used instead of
+    // holding them across the mainloop (held as two fields, the D 64 consumers spilled).
+    const int qb = tile / fp.hq, h = tile % fp.hq;
     const int64_t r0 = int64_t(qb) * BM;
     const int64_t wr0 = r0 + cw * WM;                 // the warpgroup's first row
     const int64_t row = wr0 + wwarp * 16 + g;          // this thread's rows: row, row + 8

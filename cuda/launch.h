@@ -33,15 +33,13 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
 // enqueued nothing, when the inputs do not suit TMA: the caller then runs LaunchBwdDkDv. `split`: a second
 // key source (KeySplit); its row must be a multiple of the kernel's keys per CTA (BwdSm90Tile<D>::kBlockN:
 // 128, 64 at D 256), else cudaErrorNotSupported.
-int64_t BwdSm90ScratchInts(int64_t tk);  // p.k_order's size
 template <typename T, int D>
 cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream,
                               const KeySplit& split = KeySplit{});
 
 // MAGI_JAX_SM90_SCHED, for measuring the schedulers' share (tile_order.cu): "lpt" (default: longest first,
-// the forward persistent), "natural" (the forward persistent with q blocks last-first, the backward's k
-// blocks in key order), "grid" (the forward one CTA per tile, last-first, not persistent; the backward as
-// "natural").
+// the forward persistent), "natural" (the forward persistent with q blocks last-first), "grid" (the forward
+// one CTA per tile, last-first, not persistent). The backward has one order (k blocks in key order).
 enum class Sm90Sched { kLpt, kNatural, kGrid };
 Sm90Sched Sm90SchedFromEnv();
 

@@ -1,6 +1,5 @@
 // The sm90 backward's dK/dV launcher (flash_bwd_sm90_kernel.h): tensor maps built on the host from device
-// pointers and static shapes (no synchronisation), the k blocks' longest-first order (a work kernel and
-// LaunchOrderByWork), a grid of (k blocks, kv heads), the instantiations
+// pointers and static shapes (no synchronisation), a grid of (k blocks, kv heads), the instantiations
 // (bf16, fp16) x (D 64, 128, 256) x (dQ by TMA reduce-add or not). D 256: 64-key CTAs (BwdSm90Tile::kSplitD).
 #include <climits>
 
@@ -26,28 +25,7 @@ bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-constexpr int kWorkWarps = 8;
-
-// work[kb] = row steps of k block kb (keys [kb BN, kb BN + BN)) over its slices, per q head of the GQA
-// group, plus one: the walk of the kernel's producer (scheduler.h), counted per slice. One warp per k block.
-template <int BN, int BM>
-__global__ void __launch_bounds__(kWorkWarps * 32) BwdWorkKernel(SliceArgs args, BlockLists lists, int num_blocks,
-                                                                 int32_t* work) {
-  const int kb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
-  if (kb >= num_blocks) return;  // whole warps leave together
-  const SliceWalk walk(args, lists, kb / (kKBlock / BN));
-  const int64_t c0 = int64_t(kb) * BN, c1 = c0 + BN;
-  int64_t w = 1;
-  KvStep st;
-  for (StartSlice(walk, args, c0, c1, walk.First(args), &st); st.cur >= 0;
-       StartSlice(walk, args, c0, c1, walk.Next(args, st.cur), &st))
-    w += (st.re_all - st.rb_all + BM - 1) / BM;
-  if ((threadIdx.x & 31) == 0) work[kb] = int(w < INT_MAX ? w : INT_MAX);
-}
-
 }  // namespace
-
-int64_t BwdSm90ScratchInts(int64_t tk) { return 2 * ((tk + 63) / 64); }  // work + order, 64-key blocks at most
 
 template <typename T, int D>
 cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream, const KeySplit& split) {
@@ -85,16 +63,6 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
                                                                  Tile::kDqBoxCols, Tile::kBlockM)))
     return cudaErrorNotSupported;
   sp.base = p;
-  sp.order = nullptr;  // key order
-  if (Sm90SchedFromEnv() == Sm90Sched::kLpt) {
-    int32_t* work = p.k_order;
-    int32_t* order = p.k_order + num_blocks;
-    BwdWorkKernel<Tile::kBlockN, Tile::kBlockM><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0,
-                                                   stream>>>(p.slices, p.k_lists, num_blocks, work);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-    if (cudaError_t err = LaunchOrderByWork(work, num_blocks, false, order, stream); err != cudaSuccess) return err;
-    sp.order = order;
-  }
   auto kernel = reduce_dq ? FlashBwdSm90Kernel<T, D, true> : FlashBwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

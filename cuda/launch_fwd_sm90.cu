@@ -19,14 +19,19 @@ namespace {
 
 constexpr int kWorkWarps = 8;
 
-// work[qb] = key tiles visited by q block qb, plus one (scheduler_sm90.h). One warp per q block.
+// work[qb] = key tiles visited by q block qb, plus one (scheduler_sm90.h); stats[0] += it, stats[1] = the
+// largest. One warp per q block.
 template <int BN>
 __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args, BlockLists lists, int num_blocks,
-                                                                 int32_t* work) {
+                                                                 int32_t* work, unsigned long long* stats) {
   const int qb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
   if (qb >= num_blocks) return;  // whole warps leave together
   const int w = FwdBlockWork(args, lists, qb, kQBlock, BN);
-  if ((threadIdx.x & 31) == 0) work[qb] = w;
+  if ((threadIdx.x & 31) == 0) {
+    work[qb] = w;
+    atomicAdd(&stats[0], static_cast<unsigned long long>(w));
+    atomicMax(&stats[1], static_cast<unsigned long long>(w));
+  }
 }
 
 
@@ -50,7 +55,8 @@ int SectionHeads(const FwdParams& p, int d, int elem_bytes, int device) {
 
 }  // namespace
 
-int64_t FwdSm90ScratchInts(int64_t tq) { return 2 * ((tq + kQBlock - 1) / kQBlock) + 1; }
+// [work stats: 2 x uint64][counter][work: num_blocks][order: num_blocks] (the stats first: 8-byte aligned).
+int64_t FwdSm90ScratchInts(int64_t tq) { return 2 * ((tq + kQBlock - 1) / kQBlock) + 5; }
 
 template <typename T, int D>
 cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t stream) {
@@ -80,14 +86,15 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
     return err;
 
-  int32_t* work = scratch;
-  int32_t* order = scratch + num_blocks;
-  int32_t* counter = order + num_blocks;
+  auto* stats = reinterpret_cast<unsigned long long*>(scratch);
+  int32_t* counter = scratch + 4;
+  int32_t* work = counter + 1;
+  int32_t* order = work + num_blocks;
   const Sm90Sched sched = Sm90SchedFromEnv();
-  if (cudaError_t err = cudaMemsetAsync(counter, 0, sizeof(int32_t), stream); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaMemsetAsync(scratch, 0, 5 * sizeof(int32_t), stream); err != cudaSuccess) return err;
   if (sched == Sm90Sched::kLpt) {
     FwdWorkKernel<Tile::kBlockN><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
-        p.slices, p.lists, num_blocks, work);
+        p.slices, p.lists, num_blocks, work, stats);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
   if (cudaError_t err = LaunchOrderByWork(work, num_blocks, sched != Sm90Sched::kLpt, order, stream); err != cudaSuccess)
@@ -98,6 +105,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   sp.counter = counter;
   sp.num_tiles = num_blocks * p.hq;
   sp.section_heads = SectionHeads(p, D, int(sizeof(T)), device);
+  sp.work_stats = stats;
   auto kernel = FlashFwdSm90Kernel<T, D>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

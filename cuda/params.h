@@ -57,7 +57,6 @@ struct BwdParams {
   SliceArgs slices;
   BlockLists q_lists;  // q blocks (deterministic dq kernel)
   BlockLists k_lists;  // k blocks (dk/dv kernel)
-  int32_t* k_order;    // scratch of BwdSm90ScratchInts(tk) for the sm90 dK/dV kernel's k-block order
   int hq, hkv;
   float scale, softcap;
 };

@@ -6,6 +6,10 @@
 // So the ~one tile per SM in flight read the K/V of a few heads, which stay in L2 while every q block of
 // those heads passes: with all heads at once, many short documents (varlen, batches of 4k) streamed
 // their K/V from DRAM again for every q block (ncu, causal 4k x 8: L2 hit rate 28%, DRAM 80% busy).
+// The last section is wider (`TailSectionStart`): the longest tiles of a section start when it starts, so
+// in a last section of little work per SM they trailed the grid (shared question 16k: +10%; the host model
+// cuda/tools/sched_sim.py). It merges the last heads until it holds kTailWaves times the longest tile per
+// CTA: LPT over those heads, the L2 locality of the sections kept for the rest.
 // `order` lists the q blocks by decreasing work, work being the number
 // of key tiles the block's slices visit (plus one for the epilogue), built on the device from the q-block
 // slice lists by two small kernels: FwdWorkKernel (a warp per q block) and LaunchOrderByWork's (one CTA, a counting
@@ -29,6 +33,9 @@ struct FwdSm90Params {
   int32_t* counter;      // zeroed before the launch
   int num_tiles;         // q blocks x hq
   int section_heads;     // q heads per L2 section: a multiple of hq / hkv
+  // [0] the work of one head's q blocks, [1] the largest q block's (FwdWorkKernel's atomics; zero when the
+  // work is not computed: no tail merge)
+  const unsigned long long* work_stats;
 };
 
 // The key tiles of one slice for the rows [r0, r0 + bm) of a q block: a step is one key tile
@@ -81,7 +88,7 @@ MAGI_DEV int FwdBlockWork(const SliceArgs& a, const BlockLists& lists, int qb, i
 // anyway, so a consumer starts the tile with one global round trip (the first slice, loaded beside the q
 // block's order entry) instead of a chain of four (order, list offsets, slice id, slice).
 struct FwdTileRecord {
-  int tile;
+  int tile;        // the decoded tile, q block * hq + head; num_tiles: no more tiles
   int cur, slice;  // the first step's walk cursor and slice id; cur < 0: the tile has no step
 };
 
@@ -98,13 +105,39 @@ MAGI_DEV void FwdStepAt(const SliceArgs& a, int64_t r0, int bm, int cur, int sli
   st->ke = int(ke);
 }
 
-// Tile t -> (q block, head).
-MAGI_DEV void DecodeTile(const FwdSm90Params& p, int t, int* qb, int* h) {
+// The last section's work, in units of the longest tile's per CTA (the model: <= 0.5% over the LPT bound
+// on the bench cases with 1.5, against up to 10% with plain sections).
+constexpr float kTailWaves = 1.5f;
+
+// The first head of the wider last section: a multiple of section_heads, so that the sections before it
+// are whole.
+MAGI_DEV int TailSectionStart(const FwdSm90Params& p, int ctas) {
+  const int hq = p.base.hq, group = hq / p.base.hkv, per = p.section_heads;
+  const unsigned long long total = p.work_stats[0], longest = p.work_stats[1];
+  int tail = per;
+  if (total > 0) {
+    const double heads = ceil(double(kTailWaves) * ctas * double(longest) / double(total));
+    const int need = heads >= hq ? hq : (int(heads) + group - 1) / group * group;
+    tail = max(tail, need);
+  }
+  return tail >= hq ? 0 : (hq - tail) / per * per;
+}
+
+// Tile t -> (q block, head), the sections before tail_first of section_heads heads, then one of the rest.
+MAGI_DEV void DecodeTile(const FwdSm90Params& p, int tail_first, int t, int* qb, int* h) {
   const int hq = p.base.hq, num_blocks = p.num_tiles / hq;
-  const int per_section = num_blocks * p.section_heads;
-  const int section = t / per_section, i = t - section * per_section;
-  const int first = section * p.section_heads;
-  const int heads = min(p.section_heads, hq - first);  // the last section may be narrower
+  const int regular = tail_first * num_blocks;  // tiles in the regular sections
+  int first, heads, i;
+  if (t < regular) {
+    const int per_section = num_blocks * p.section_heads, section = t / per_section;
+    first = section * p.section_heads;
+    heads = p.section_heads;
+    i = t - section * per_section;
+  } else {
+    first = tail_first;
+    heads = hq - tail_first;
+    i = t - regular;
+  }
   *qb = p.order[i / heads];
   *h = first + i % heads;
 }

@@ -1,7 +1,7 @@
-// The longest-first order shared by the sm90 kernels' schedulers (scheduler_sm90.h for the forward's q
-// blocks, flash_bwd_sm90_kernel.h for the backward's k blocks): a counting sort of blocks by decreasing work
-// in one CTA, work clamped to kBuckets - 1; ties in any order (that changes when a block runs, never its
-// result).
+// The longest-first order of the sm90 forward's q blocks (scheduler_sm90.h), and the scheduler switch: a
+// counting sort of blocks by decreasing work in one CTA, work clamped to kBuckets - 1; ties in any order
+// (that changes when a block runs, never its result). The backward's k blocks run in key order: longest
+// first gained nothing there (BENCHMARKS.md 2026-11-30 04:53 UTC), its grid is not persistent.
 #include <cstdlib>
 #include <cstring>
 

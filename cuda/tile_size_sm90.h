@@ -84,6 +84,7 @@ struct FwdSm90Barriers {
   uint64_t v_full[kStages], v_empty[kStages];
   uint64_t tile_full[2], tile_empty[2];
   FwdTileRecord tile[2];
+  int tail_first;  // the scheduler's last-section start (TailSectionStart), set before the first tile
 };
 
 

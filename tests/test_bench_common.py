@@ -9,7 +9,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from bench.common import gpu_kernel_events, kernel_totals, newest_perfetto_trace  # noqa: E402
+from bench.common import gpu_kernel_events, kernel_totals, last_step, newest_perfetto_trace  # noqa: E402
 
 
 def test_gpu_kernel_events_and_totals(tmp_path):
@@ -34,3 +34,14 @@ def test_gpu_kernel_events_and_totals(tmp_path):
     assert [e["name"] for e in by_gpu["/device:GPU:0"]] == ["flash", "nccl", "flash"]
     assert kernel_totals(by_gpu["/device:GPU:0"]) == [("flash", 9.0), ("nccl", 2.0)]
     assert newest_perfetto_trace(tmp_path / "empty") is None
+
+
+def test_last_step_finds_idle_gaps():
+    # Two identical steps; in each, a 2 us gap after the first kernel, and an NCCL kernel under the second.
+    step = [("fwd", 0.0, 5.0), ("fwd", 7.0, 4.0), ("nccl", 8.0, 5.0)]
+    events = [{"name": n, "ts": t + 100.0 * s, "dur": d} for s in range(2) for n, t, d in step]
+    rows, span, idle = last_step(events[::-1], steps=2)     # any input order
+    assert [(start, e["name"], gap) for start, e, gap in rows] == [(0.0, "fwd", 0.0), (7.0, "fwd", 2.0),
+                                                                  (8.0, "nccl", 0.0)]
+    assert (span, idle) == (13.0, 2.0)
+    assert last_step([], steps=3) == ([], 0.0, 0.0)
