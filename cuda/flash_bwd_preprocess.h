@@ -4,17 +4,20 @@
 
 #include <cstdint>
 
+#include "params.h"
 #include "ptx.h"
 
 namespace magi_jax::cuda {
 
 constexpr int kElementwiseThreads = 256;
 
-// One group of D / 8 lanes per (row, head), 16-byte loads, a shuffle reduction inside the group.
+// One group of D / 8 lanes per (row, head), 16-byte loads, a shuffle reduction inside the group. With
+// lse_delta_t (BwdParams) also the head-major copies of log2 lse and delta for the sm90 dK/dV kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* out, const T* dout,
                                                                       const float* dlse, float* delta,
-                                                                      int64_t rows) {
+                                                                      int64_t rows, const float* lse,
+                                                                      float* lse_delta_t, int hq, int64_t tq) {
   constexpr int kLanes = D / 8, kRowsPerCta = kElementwiseThreads / kLanes;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerCta + threadIdx.x / kLanes;
   const int sub = threadIdx.x % kLanes;
@@ -29,7 +32,15 @@ __global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* o
   }
 #pragma unroll
   for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (sub == 0 && row < rows) delta[row] = sum - dlse[row];
+  if (sub != 0 || row >= rows) return;
+  const float d = sum - dlse[row];
+  delta[row] = d;
+  if (lse_delta_t != nullptr) {
+    const int64_t t = row / hq, h = row - t * hq, at = h * HeadMajorRows(tq) + t;
+    const float l = lse[row];
+    lse_delta_t[at] = l == -INFINITY ? INFINITY : l * kLog2e;
+    lse_delta_t[int64_t(hq) * HeadMajorRows(tq) + at] = d;
+  }
 }
 
 // dq = T(dq_accum), 8 elements per thread (n is a multiple of 8).

@@ -12,7 +12,8 @@ cudaError_t LaunchBwdDelta(const BwdParams& p, cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
   constexpr int kRowsPerCta = kElementwiseThreads / (D / 8);
   BwdDeltaKernel<T, D><<<(rows + kRowsPerCta - 1) / kRowsPerCta, kElementwiseThreads, 0, stream>>>(
-      static_cast<const T*>(p.out), static_cast<const T*>(p.dout), p.dlse, p.delta, rows);
+      static_cast<const T*>(p.out), static_cast<const T*>(p.dout), p.dlse, p.delta, rows, p.lse, p.lse_delta_t,
+      p.hq, p.slices.tq);
   return cudaGetLastError();
 }
 
