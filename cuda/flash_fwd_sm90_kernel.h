@@ -314,6 +314,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
 
     MbarWait(&bars.q_full[q_stage], q_phase);
     ++q_iter;
+    // A tile without keys in a merging call writes nothing: out and lse hold the earlier call's values in
+    // place (a distributed stage call has many such tiles: q blocks none of whose rows need fetched keys).
+    if (rec.cur < 0 && fp.out_prev != nullptr) {
+      if (wtid == 0) MbarArrive(&bars.q_empty[q_stage]);
+      continue;
+    }
     // The warpgroup's 64 rows of this tile's Q buffer.
     const uint32_t desc_q_tile = uint32_t(SmemDesc128B(sq + q_stage * Tile::kQBytes + cw * (WM * 128), 16));
     // The first step from the record's slice (one load, beside the order load above); the walk serves the
