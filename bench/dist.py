@@ -352,7 +352,7 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     g = fwd_bwd(fn) if args.profile_pass == "fwd+bwd" else jax.jit(fn)
     text = g.lower(q, k, v).compile().as_text()
     (log_dir / "hlo").mkdir(parents=True, exist_ok=True)
-    (log_dir / "hlo" / "magi_fwd_bwd.txt").write_text(text)
+    (log_dir / "hlo" / f"magi_{args.profile_pass.replace('+', '_')}.txt").write_text(text)
     print(f"\nprofile: {args.masks[0]}, {args.profile_pass}, backward {args.profile_backward}, {mp!r}")
     deps = collective_dependencies(text)
     waiting = {c: d for c, d in deps.items() if d}

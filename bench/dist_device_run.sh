@@ -2,7 +2,7 @@
 # One call on the 2-GPU device machine (issue 6): build the package, run the gpu-marked distributed tests,
 # profile the overlapped forward+backward (compiled schedule + jax.profiler trace summary, once per variant of
 # XLA flags / environment), then run bench/dist.py. Logs go to $OUT (at most 8 files come back: summary.txt,
-# build.log, tests.log, profile.log, hlo_<variant>.txt, bench.log, dist_bench.json).
+# build.log, tests.log, profile.log, hlo_<variant>_<pass>.txt, bench.log or compare.log, dist_bench.json).
 #
 #   bash bench/dist_device_run.sh                       # all steps (may pass the 10-minute limit of one call)
 #   bash bench/dist_device_run.sh build tests           # then, on the same (warm) machine:
@@ -10,6 +10,7 @@
 #   bash bench/dist_device_run.sh build compare         # magi variants side by side, default flags and limit 2
 #
 # Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, PROFILE_VARIANTS ("name:VAR=v VAR='v w';..."),
+# PROFILE_PASSES (default "fwd+bwd"; "fwd fwd+bwd" profiles the forward alone too),
 # COMPARE_METHODS (default "magi magi_staged magi_nomargin single"), *_TIMEOUT (seconds per step). Every step
 # is time-limited so that partial results come back.
 set -u
@@ -64,13 +65,16 @@ for s in $STEPS; do
         eval "assignments=(${entry#*:})"  # quotes allowed: XLA_FLAGS='--a --b'
         dir=/tmp/magi_dist_trace_$variant
         rm -rf "$dir"
-        echo "=== profile $variant: ${assignments[*]}" >> "$OUT/profile.log"
-        step "profile ($variant)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
-          env "${assignments[@]}" python3 bench/dist.py --profile "$dir" --profile-only --masks varlen_causal \
-          ${PROFILE_ARGS:-}
-        [ -f "$dir/hlo/magi_fwd_bwd.txt" ] && cp "$dir/hlo/magi_fwd_bwd.txt" "$OUT/hlo_$variant.txt"
+        for pass in ${PROFILE_PASSES:-fwd+bwd}; do
+          echo "=== profile $variant, $pass: ${assignments[*]}" >> "$OUT/profile.log"
+          step "profile ($variant, $pass)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
+            env "${assignments[@]}" python3 bench/dist.py --profile "$dir" --profile-only --masks varlen_causal \
+            --profile-pass "$pass" ${PROFILE_ARGS:-}
+          hlo="$dir/hlo/magi_${pass/+/_}.txt"
+          [ -f "$hlo" ] && cp "$hlo" "$OUT/hlo_${variant}_${pass/+/_}.txt"
+        done
       done
-      grep -E "^(===|profile|collectives|async collectives|  all|  collective|/device|.*NCCL kernels)" \
+      grep -E "^(===|profile|collectives|async collectives|  all|  collective|/device|.*NCCL kernels|  span)" \
         "$OUT/profile.log" >> "$SUMMARY"
       ;;
     bench)
