@@ -30,6 +30,7 @@ struct Arrays {
   const void* in[kMaxRangeArrays];
   void* out[kMaxRangeArrays];
   int64_t features[kMaxRangeArrays];
+  int64_t in_stride[kMaxRangeArrays], out_stride[kMaxRangeArrays];  // elements between rows (RangeArray)
 };
 
 __device__ __forceinline__ float ToF(float x) { return x; }
@@ -74,7 +75,8 @@ __device__ __forceinline__ void Store(T* p, int n, const float (&v)[kVec]) {
   }
 }
 
-// kAligned: every array's feature count is a multiple of kVec (rows then start on kVec-element boundaries).
+// kAligned: every array's feature count and row strides are multiples of kVec (rows then start on
+// kVec-element boundaries).
 // kInto: out already holds the initial values; rows no range covers are not touched, covered rows become
 // out + sum.
 template <typename Tin, typename Tout, bool kAligned, bool kInto>
@@ -86,7 +88,7 @@ __global__ void __launch_bounds__(kMaxThreads)
   const int j = blockIdx.z;  // arrays is a __grid_constant__: indexed in parameter space, no local copy
   const Tin* in = static_cast<const Tin*>(arrays.in[j]);
   Tout* out = static_cast<Tout*>(arrays.out[j]);
-  const int64_t f = arrays.features[j];
+  const int64_t f = arrays.features[j], in_stride = arrays.in_stride[j], out_stride = arrays.out_stride[j];
   const int64_t col = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kVec;
   const int64_t r0 = int64_t(blockIdx.x) * kRows;
   const int n_cols = int(min(int64_t(kVec), f - col));
@@ -114,12 +116,12 @@ __global__ void __launch_bounds__(kMaxThreads)
     for (int i = 0; i < n; ++i) {
       const int3 sp = spans[i];
       if (sp.z == 0) continue;
-      const Tin* first = in + (int64_t(sp.x) - sp.y) * f + col;  // the input row of CTA row 0
+      const Tin* first = in + (int64_t(sp.x) - sp.y) * in_stride + col;  // the input row of CTA row 0
       // Every row's load first, then the adds: the loads are in flight together instead of one latency each.
       float v[kRows][kVec];
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        if (r >= sp.y && r < sp.y + sp.z) Load<kAligned>(first + r * f, n_cols, v[r]);
+        if (r >= sp.y && r < sp.y + sp.z) Load<kAligned>(first + r * in_stride, n_cols, v[r]);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         if (r >= sp.y && r < sp.y + sp.z) {
@@ -131,25 +133,25 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
   }
   if (n_cols <= 0) return;
-  Tout* dst = out + r0 * f + col;
+  Tout* dst = out + r0 * out_stride + col;
   const int rows = int(min(int64_t(kRows), out_rows - r0));
   if constexpr (kInto) {
     // The initial values, all loaded before any store (a store could alias a later row's load otherwise).
     float old[kRows][kVec];
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
-      if (r < rows && (covered >> r & 1u)) Load<kAligned>(dst + r * f, n_cols, old[r]);
+      if (r < rows && (covered >> r & 1u)) Load<kAligned>(dst + r * out_stride, n_cols, old[r]);
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
       if (r < rows && (covered >> r & 1u)) {
 #pragma unroll
         for (int e = 0; e < kVec; ++e) acc[r][e] += old[r][e];
-        Store<kAligned>(dst + r * f, n_cols, acc[r]);
+        Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
       }
   } else {
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
-      if (r < rows) Store<kAligned>(dst + r * f, n_cols, acc[r]);
+      if (r < rows) Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
   }
 }
 
@@ -160,7 +162,7 @@ cudaError_t LaunchRangeSum(cudaStream_t stream, const int32_t* ranges, int num_r
   bool aligned = true;
   for (int j = 0; j < num_arrays; ++j) {
     max_f = std::max(max_f, arrays.features[j]);
-    aligned &= arrays.features[j] % kVec == 0;
+    aligned &= arrays.features[j] % kVec == 0 && arrays.in_stride[j] % kVec == 0 && arrays.out_stride[j] % kVec == 0;
   }
   if (out_rows == 0 || max_f == 0) return cudaSuccess;
   const int64_t vecs = (max_f + kVec - 1) / kVec;
@@ -191,9 +193,9 @@ cudaError_t LaunchByOutType(ffi::DataType out_type, cudaStream_t stream, const i
 size_t ElementBytes(ffi::DataType t) { return t == ffi::DataType::F32 ? 4 : 2; }
 
 ffi::Error RangeOp(const char* name, bool gather, cudaStream_t stream, ffi::Buffer<ffi::S32> ranges,
-                   ffi::RemainingArgs ins, ffi::RemainingRets outs, bool into = false) {
+                   ffi::RemainingArgs ins, ffi::RemainingRets outs, bool packed, bool into = false) {
   RangeArray list[kMaxRangeArrays];
-  auto dims = CheckRangeOp(name, ranges, ins, outs, list, into);
+  auto dims = CheckRangeOp(name, ranges, ins, outs, list, into, packed, gather);
   if (dims.has_error()) return dims.error();
   constexpr int64_t kMaxRows = (int64_t(1) << 31) - kRows;
   if (dims->in_rows > kMaxRows || dims->out_rows > kMaxRows || dims->num_ranges > (int64_t(1) << 30))
@@ -203,6 +205,8 @@ ffi::Error RangeOp(const char* name, bool gather, cudaStream_t stream, ffi::Buff
     arrays.in[j] = list[j].in;
     arrays.out[j] = list[j].out;
     arrays.features[j] = list[j].features;
+    arrays.in_stride[j] = list[j].in_stride;
+    arrays.out_stride[j] = list[j].out_stride;
     // into: the kernel reads the initial values from out, which XLA aliases to init; copy if it did not.
     if (into && list[j].init != list[j].out) {
       const size_t bytes = size_t(dims->out_rows) * list[j].features * ElementBytes(dims->out_type);
@@ -234,18 +238,18 @@ ffi::Error RangeOp(const char* name, bool gather, cudaStream_t stream, ffi::Buff
 }
 
 ffi::Error RangeGatherImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
-                           ffi::RemainingRets outs) {
-  return RangeOp("magi_jax_range_gather", true, stream, ranges, ins, outs);
+                           ffi::RemainingRets outs, bool packed) {
+  return RangeOp("magi_jax_range_gather", true, stream, ranges, ins, outs, packed);
 }
 
 ffi::Error RangeScatterAddImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
-                               ffi::RemainingRets outs) {
-  return RangeOp("magi_jax_range_scatter_add", false, stream, ranges, ins, outs);
+                               ffi::RemainingRets outs, bool packed) {
+  return RangeOp("magi_jax_range_scatter_add", false, stream, ranges, ins, outs, packed);
 }
 
 ffi::Error RangeScatterAddIntoImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
-                                   ffi::RemainingRets outs) {
-  return RangeOp("magi_jax_range_scatter_add_into", false, stream, ranges, ins, outs, true);
+                                   ffi::RemainingRets outs, bool packed) {
+  return RangeOp("magi_jax_range_scatter_add_into", false, stream, ranges, ins, outs, packed, true);
 }
 
 }  // namespace

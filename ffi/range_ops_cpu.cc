@@ -44,6 +44,7 @@ void RunRangeOp(const std::vector<Span>& spans, const RangeArray& a, int64_t out
   Tout* out = static_cast<Tout*>(a.out);
   const Tout* init = static_cast<const Tout*>(a.init);
   const int64_t f = a.features, blocks = (out_rows + kRowBlock - 1) / kRowBlock;
+  // into: out is a whole array of its own (scatter-adds are packed on the input side only).
   if (init != nullptr && init != out) std::memcpy(out, init, sizeof(Tout) * out_rows * f);  // not aliased
   std::vector<std::vector<float>> acc(NumWorkers(blocks));
   ParallelFor(blocks, [&](int64_t b, int worker) {
@@ -54,7 +55,7 @@ void RunRangeOp(const std::vector<Span>& spans, const RangeArray& a, int64_t out
     for (const Span& s : spans) {
       const int64_t lo = std::max(r0, s.out_start), hi = std::min(r1, s.out_start + s.len);
       for (int64_t r = lo; r < hi; ++r) {
-        const Tin* src = in + (s.in_start + (r - s.out_start)) * f;
+        const Tin* src = in + (s.in_start + (r - s.out_start)) * a.in_stride;
         float* dst = buf.data() + (r - r0) * f;
         for (int64_t j = 0; j < f; ++j) dst[j] += ToFloat(src[j]);
         covered[r - r0] = true;
@@ -63,7 +64,7 @@ void RunRangeOp(const std::vector<Span>& spans, const RangeArray& a, int64_t out
     for (int64_t r = r0; r < r1; ++r) {
       if (init != nullptr && !covered[r - r0]) continue;  // into: untouched rows keep their values
       const float* row = buf.data() + (r - r0) * f;
-      Tout* o = out + r * f;
+      Tout* o = out + r * a.out_stride;
       for (int64_t j = 0; j < f; ++j) o[j] = FromFloat<Tout>(row[j] + (init != nullptr ? ToFloat(o[j]) : 0.0f));
     }
   });
@@ -80,9 +81,9 @@ void DispatchRangeType(ffi::DataType dtype, Fn&& fn) {
 }
 
 ffi::Error RangeOp(const char* name, bool gather, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
-                   ffi::RemainingRets outs, bool into = false) {
+                   ffi::RemainingRets outs, bool packed, bool into = false) {
   RangeArray arrays[kMaxRangeArrays];
-  auto dims = CheckRangeOp(name, ranges, ins, outs, arrays, into);
+  auto dims = CheckRangeOp(name, ranges, ins, outs, arrays, into, packed, gather);
   if (dims.has_error()) return dims.error();
   const std::vector<Span> spans =
       LoadSpans(ranges.typed_data(), dims->num_ranges, gather, dims->in_rows, dims->out_rows);
@@ -99,16 +100,19 @@ ffi::Error RangeOp(const char* name, bool gather, ffi::Buffer<ffi::S32> ranges, 
   return ffi::Error::Success();
 }
 
-ffi::Error RangeGatherImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs) {
-  return RangeOp("magi_jax_range_gather", true, ranges, ins, outs);
+ffi::Error RangeGatherImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs,
+                           bool packed) {
+  return RangeOp("magi_jax_range_gather", true, ranges, ins, outs, packed);
 }
 
-ffi::Error RangeScatterAddImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs) {
-  return RangeOp("magi_jax_range_scatter_add", false, ranges, ins, outs);
+ffi::Error RangeScatterAddImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs,
+                               bool packed) {
+  return RangeOp("magi_jax_range_scatter_add", false, ranges, ins, outs, packed);
 }
 
-ffi::Error RangeScatterAddIntoImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs) {
-  return RangeOp("magi_jax_range_scatter_add_into", false, ranges, ins, outs, true);
+ffi::Error RangeScatterAddIntoImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs,
+                                   bool packed) {
+  return RangeOp("magi_jax_range_scatter_add_into", false, ranges, ins, outs, packed, true);
 }
 
 }  // namespace

@@ -43,13 +43,23 @@ TRANSPORTS = ("auto", "all_to_all", "ppermute")
 # ---------------------------------------------------------------------------------------------------------
 # Range ops: the FFI packing kernels, each the other's transpose.
 
-def _range_call(target: str, xs: tuple, ranges, out_len: int, out_dtype) -> tuple:
-    results = tuple(jax.ShapeDtypeStruct((out_len, *x.shape[1:]), out_dtype or x.dtype) for x in xs)
-    return _ffi.call(target, results, ranges, *xs)
+def _range_call(target: str, xs: tuple, ranges, out_len: int, out_dtype, packed: bool) -> tuple:
+    """One range op; `packed`: the gather's one output, or a scatter-add's one input, is [T, n, ...]."""
+    if packed and target == _ffi.RANGE_GATHER:
+        results = (jax.ShapeDtypeStruct((out_len, len(xs), *xs[0].shape[1:]), out_dtype or xs[0].dtype),)
+    elif packed:
+        y = xs[0]
+        results = tuple(jax.ShapeDtypeStruct((out_len, *y.shape[2:]), out_dtype or y.dtype) for _ in range(y.shape[1]))
+    else:
+        results = tuple(jax.ShapeDtypeStruct((out_len, *x.shape[1:]), out_dtype or x.dtype) for x in xs)
+    return _ffi.call(target, results, ranges, *xs, packed=packed)
 
 
-def _check_range_args(name: str, xs, ranges) -> tuple:
+def _check_range_args(name: str, xs, ranges, packed_in: bool = False) -> tuple:
     xs = tuple(xs)
+    if packed_in and (len(xs) != 1 or xs[0].ndim < 2 or not 1 <= xs[0].shape[1] <= 4):
+        raise ValueError(f"{name}: packed takes one array [T, n, ...] with 1 <= n <= 4, got "
+                         f"{[x.shape for x in xs]}")
     if not 1 <= len(xs) <= 4:
         raise ValueError(f"{name}: takes 1 to 4 arrays, got {len(xs)}")
     for i, x in enumerate(xs):
@@ -62,39 +72,45 @@ def _check_range_args(name: str, xs, ranges) -> tuple:
     return xs
 
 
-def range_gather(xs: Sequence[jax.Array], ranges, out_len: int, out_dtype=None) -> tuple[jax.Array, ...]:
+def range_gather(xs: Sequence[jax.Array], ranges, out_len: int, out_dtype=None, packed: bool = False
+                 ) -> tuple[jax.Array, ...]:
     """``y[dst_start + t] = x[src_start + t]`` for each row ``(src_start, src_end, dst_start)`` of ranges
     (int32 [M, 3], numpy or traced), for up to 4 arrays x [T, ...] of one length and dtype at once; rows of
-    y [out_len, ...] that no range covers are zero (several ranges on one row add). Differentiable: the
-    transpose is ``range_scatter_add``."""
+    y [out_len, ...] that no range covers are zero (several ranges on one row add). ``packed``: one y
+    [out_len, n, ...] holding the n arrays side by side (y[:, j] is array j's), returned as a 1-tuple.
+    Differentiable: the transpose is ``range_scatter_add``."""
     xs = _check_range_args("range_gather", xs, ranges)
-    return _gather(xs, jnp.asarray(ranges, jnp.int32), int(out_len), out_dtype and jnp.dtype(out_dtype))
+    return _gather(xs, jnp.asarray(ranges, jnp.int32), int(out_len), out_dtype and jnp.dtype(out_dtype),
+                   bool(packed))
 
 
 def range_scatter_add(ys: Sequence[jax.Array], ranges, out_len: int | None = None, out_dtype=None,
-                      init: Sequence[jax.Array] | None = None) -> tuple[jax.Array, ...]:
+                      init: Sequence[jax.Array] | None = None, packed: bool = False) -> tuple[jax.Array, ...]:
     """``x[src_start + t] += y[dst_start + t]`` from zero: the transpose of ``range_gather``. Sums are
     taken in float32 in table order (deterministic) and rounded once to ``out_dtype`` (default: y's).
 
     With ``init`` (arrays [out_len, ...], float32 or y's dtype) the sums start from it instead, in place:
-    only rows some range covers are read and written (each ``init + sum``, rounded once)."""
-    ys = _check_range_args("range_scatter_add", ys, ranges)
+    only rows some range covers are read and written (each ``init + sum``, rounded once). ``packed``: ys is
+    one array [T, n, ...] holding n arrays side by side (what ``range_gather(..., packed=True)`` makes)."""
+    ys = _check_range_args("range_scatter_add", ys, ranges, packed_in=packed)
     ranges = jnp.asarray(ranges, jnp.int32)
+    packed = bool(packed)
     if init is None:
-        return _scatter_add(ys, ranges, int(out_len), out_dtype and jnp.dtype(out_dtype))
+        return _scatter_add(ys, ranges, int(out_len), out_dtype and jnp.dtype(out_dtype), packed)
     init = tuple(init)
-    if len(init) != len(ys) or any(i.shape[1:] != y.shape[1:] or i.dtype != init[0].dtype or
-                                   i.shape[0] != init[0].shape[0] for i, y in zip(init, ys)):
+    trailing = [ys[0].shape[2:]] * ys[0].shape[1] if packed else [y.shape[1:] for y in ys]
+    if len(init) != len(trailing) or any(i.shape[1:] != t or i.dtype != init[0].dtype or
+                                         i.shape[0] != init[0].shape[0] for i, t in zip(init, trailing)):
         raise ValueError("range_scatter_add: init must hold one array per y, of y's trailing shape, one length "
                          "and one dtype")
     if init[0].dtype not in (ys[0].dtype, jnp.float32):
         raise ValueError(f"range_scatter_add: init dtype {init[0].dtype} must be float32 or y's {ys[0].dtype}")
-    return _scatter_add_into(ys, init, ranges)
+    return _scatter_add_into(ys, init, ranges, packed)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _gather(xs, ranges, out_len, out_dtype):
-    return _range_call(_ffi.RANGE_GATHER, xs, ranges, out_len, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _gather(xs, ranges, out_len, out_dtype, packed):
+    return _range_call(_ffi.RANGE_GATHER, xs, ranges, out_len, out_dtype, packed)
 
 
 def _like(x):
@@ -102,57 +118,58 @@ def _like(x):
     return x[:, :0] if x.ndim > 1 else x[:, None][:, :0]
 
 
-def _gather_fwd(xs, ranges, out_len, out_dtype):
-    return _gather(xs, ranges, out_len, out_dtype), (ranges, _like(xs[0]))
+def _gather_fwd(xs, ranges, out_len, out_dtype, packed):
+    return _gather(xs, ranges, out_len, out_dtype, packed), (ranges, _like(xs[0]))
 
 
-def _transpose(target: str, res, cts) -> tuple:
+def _transpose(target: str, res, cts, packed: bool) -> tuple:
     """The mirror range op on the cotangents, back at the primal's length and dtype (gather <-> scatter-add)."""
     ranges, like = res
     cts = tuple(c.astype(cts[0].dtype) for c in cts)
-    grads = _range_call(target, cts, ranges, like.shape[0], None)
+    grads = _range_call(target, cts, ranges, like.shape[0], None, packed)
     return match_varying((g.astype(like.dtype) for g in grads), like), None
 
 
-def _gather_bwd(out_len, out_dtype, res, cts):
-    return _transpose(_ffi.RANGE_SCATTER_ADD, res, cts)
+def _gather_bwd(out_len, out_dtype, packed, res, cts):
+    return _transpose(_ffi.RANGE_SCATTER_ADD, res, cts, packed)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _scatter_add(ys, ranges, out_len, out_dtype):
-    return _range_call(_ffi.RANGE_SCATTER_ADD, ys, ranges, out_len, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _scatter_add(ys, ranges, out_len, out_dtype, packed):
+    return _range_call(_ffi.RANGE_SCATTER_ADD, ys, ranges, out_len, out_dtype, packed)
 
 
-def _scatter_add_fwd(ys, ranges, out_len, out_dtype):
-    return _scatter_add(ys, ranges, out_len, out_dtype), (ranges, _like(ys[0]))
+def _scatter_add_fwd(ys, ranges, out_len, out_dtype, packed):
+    return _scatter_add(ys, ranges, out_len, out_dtype, packed), (ranges, _like(ys[0]))
 
 
-def _scatter_add_bwd(out_len, out_dtype, res, cts):
-    return _transpose(_ffi.RANGE_GATHER, res, cts)
+def _scatter_add_bwd(out_len, out_dtype, packed, res, cts):
+    return _transpose(_ffi.RANGE_GATHER, res, cts, packed)
 
 
 _scatter_add.defvjp(_scatter_add_fwd, _scatter_add_bwd)
 
 
-@jax.custom_vjp
-def _scatter_add_into(ys, inits, ranges):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _scatter_add_into(ys, inits, ranges, packed):
     n = len(ys)
     results = tuple(jax.ShapeDtypeStruct(i.shape, i.dtype) for i in inits)
     call = jax.ffi.ffi_call(_ffi.RANGE_SCATTER_ADD_INTO, results,
-                            input_output_aliases={1 + n + j: j for j in range(n)})
-    return match_varying(call(ranges, *ys, *inits), ranges, *ys, *inits)
+                            input_output_aliases={1 + n + j: j for j in range(len(inits))})
+    return match_varying(call(ranges, *ys, *inits, packed=packed), ranges, *ys, *inits)
 
 
-def _scatter_add_into_fwd(ys, inits, ranges):
-    return _scatter_add_into(ys, inits, ranges), (ranges, _like(ys[0]))
+def _scatter_add_into_fwd(ys, inits, ranges, packed):
+    return _scatter_add_into(ys, inits, ranges, packed), (ranges, _like(ys[0]))
 
 
-def _scatter_add_into_bwd(res, cts):
+def _scatter_add_into_bwd(packed, res, cts):
     ranges, like = res
-    grads = _range_call(_ffi.RANGE_GATHER, tuple(c.astype(cts[0].dtype) for c in cts), ranges, like.shape[0], None)
+    grads = _range_call(_ffi.RANGE_GATHER, tuple(c.astype(cts[0].dtype) for c in cts), ranges, like.shape[0], None,
+                        packed)
     return match_varying((g.astype(like.dtype) for g in grads), like), tuple(cts), None
 
 

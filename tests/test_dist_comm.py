@@ -93,6 +93,38 @@ def test_scatter_add_into_init_touches_only_covered_rows(dtype):
         comm.range_scatter_add([y], RANGES, init=[init[1]])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_range_ops_equal_separate_ones(dtype):
+    # packed=True: the gather writes its arrays side by side in one [L, n, ...] buffer (K and V of a key in
+    # one row of a group collective's buffer), the scatter-adds read one; same values as separate arrays,
+    # and each is the other's transpose.
+    rng = np.random.default_rng(5)
+    k, v = (jnp.asarray(rng.standard_normal((15, 3, 4)), dtype) for _ in range(2))
+    (kv,) = comm.range_gather([k, v], RANGES, 19, packed=True)
+    assert kv.shape == (19, 2, 3, 4) and kv.dtype == dtype
+    for j, want in enumerate(comm.range_gather([k, v], RANGES, 19)):
+        np.testing.assert_array_equal(np.asarray(kv[:, j]), np.asarray(want))
+    g = jnp.asarray(rng.standard_normal((19, 2, 3, 4)), dtype)
+    back = comm.range_scatter_add([g], RANGES, 15, out_dtype=jnp.float32, packed=True)
+    for got, want in zip(back, comm.range_scatter_add([g[:, 0], g[:, 1]], RANGES, 15, out_dtype=jnp.float32)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    init = tuple(jnp.asarray(rng.standard_normal((15, 3, 4)), dtype) for _ in range(2))
+    into = comm.range_scatter_add([g], RANGES, init=init, packed=True)
+    for got, want in zip(into, comm.range_scatter_add([g[:, 0], g[:, 1]], RANGES, init=init)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # Transposes: <gather(x), c> = <x, gather^T(c)> through autodiff, both ways.
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    kv32, vjp = jax.vjp(lambda a, b: comm.range_gather([a, b], RANGES, 19, packed=True)[0], f32(k), f32(v))
+    gk, gv = vjp(f32(g))
+    np.testing.assert_allclose(float(jnp.vdot(kv32, f32(g))), float(jnp.vdot(f32(k), gk) + jnp.vdot(f32(v), gv)),
+                               rtol=1e-5)
+    _, vjp_s = jax.vjp(lambda y: comm.range_scatter_add([y], RANGES, 15, packed=True), f32(g))
+    (gy,) = vjp_s((f32(k), f32(v)))
+    np.testing.assert_array_equal(np.asarray(gy), np.asarray(kv32))
+    with pytest.raises(ValueError, match="packed"):
+        comm.range_scatter_add([g, g], RANGES, 15, packed=True)       # packed is one array
+
+
 def test_empty_table_gives_zeros():
     x = jnp.ones((4, 3), jnp.float32) * 2.5
     (y,) = comm.range_gather([x], np.zeros((1, 3), np.int32), 6)
