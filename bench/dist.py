@@ -55,7 +55,8 @@ from bench.common import (append_report, attention_flops, doc_lengths, gpu_kerne
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
-# staged backward, magi with K and V stacked in one collective, magi with sm_margin 0 (not run by default)
+# staged backward, magi with the dK/dV partials stacked in one collective, magi with sm_margin 0 (not run by
+# default)
 EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_staged", "magi_stacked", "magi_nomargin")
 
 

@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 2) FlashFwdKernel(FwdPar
   const int qb = tile.block, h = tile.head, hk = h / (p.hq / p.hkv);
   const int tq = p.slices.tq, tk = p.slices.tk;
   const int64_t r0 = int64_t(qb) * BM;
-  const int64_t q_stride = int64_t(p.hq) * D, kv_stride = int64_t(p.hkv) * D;
+  const int64_t q_stride = int64_t(p.hq) * D, kv_stride = int64_t(p.kv_row_heads) * D;
   const T* q = static_cast<const T*>(p.q) + r0 * q_stride + int64_t(h) * D;
   const T* k = static_cast<const T*>(p.k) + int64_t(hk) * D;
   const T* v = static_cast<const T*>(p.v) + int64_t(hk) * D;

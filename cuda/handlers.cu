@@ -152,9 +152,9 @@ SliceArgs MakeSliceArgs(const FfaDims& dims, const ffi::Buffer<ffi::S32>& q_rang
 ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
                       ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev,
-                      float softmax_scale, float softcap, int32_t sm_margin,
+                      float softmax_scale, float softcap, int32_t sm_margin, bool kv_packed,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
@@ -188,7 +188,10 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
 
   p.q = q.untyped_data();
   p.k = k.untyped_data();
-  p.v = v.untyped_data();
+  // Packed: V is the second half of each row of k.
+  p.v = kv_packed ? static_cast<const char*>(p.k) + dims->hkv * dims->d * ffi::ByteWidth(k.element_type())
+                  : v.untyped_data();
+  p.kv_row_heads = int(kv_packed ? 2 * dims->hkv : dims->hkv);
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
   p.slices = args;

@@ -75,10 +75,11 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   const void* k_base = no_keys ? p.q : p.k;
   const void* v_base = no_keys ? p.q : p.v;
   const int kv_rows = no_keys ? p.slices.tq : p.slices.tk, kv_heads = no_keys ? p.hq : p.hkv;
+  const int kv_row_heads = no_keys ? p.hq : p.kv_row_heads;
   FwdSm90Params sp{};
   if (!EncodeMap<T>(encode, &sp.q_map, p.q, p.slices.tq, p.hq, D, Tile::kBlockM) ||
-      !EncodeMap<T>(encode, &sp.k_map, k_base, kv_rows, kv_heads, D, Tile::kBlockN) ||
-      !EncodeMap<T>(encode, &sp.v_map, v_base, kv_rows, kv_heads, D, Tile::kBlockN) ||
+      !EncodeMap<T>(encode, &sp.k_map, k_base, kv_rows, kv_heads, D, Tile::kBlockN, kv_row_heads) ||
+      !EncodeMap<T>(encode, &sp.v_map, v_base, kv_rows, kv_heads, D, Tile::kBlockN, kv_row_heads) ||
       !EncodeMap<T>(encode, &sp.out_map, p.out, p.slices.tq, p.hq, D, Tile::kRowsPerWarpgroup))
     return cudaErrorNotSupported;
   int device = 0, sms = 0;

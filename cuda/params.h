@@ -32,6 +32,7 @@ struct FwdParams {
   SliceArgs slices;
   BlockLists lists;  // q blocks of kQBlock rows
   int hq, hkv;
+  int kv_row_heads;  // heads from one key's row of k (or v) to the next: hkv, or 2 hkv when K and V are packed
   float scale, softcap;
   int sm_margin;  // SMs the persistent sm90 grid leaves to kernels beside it (a collective in flight)
   // An earlier call's out [Tq, Hq, D] (q's dtype) and lse [Tq, Hq] to merge with (epilogue.h

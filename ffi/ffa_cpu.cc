@@ -23,11 +23,12 @@ struct Params {
   FfaDims dims;
   float scale, softcap;
   std::vector<Slice> slices;
+  int64_t kv_row_heads = 0;  // heads from one key's row of K (or V) to the next: hkv, 2 hkv when packed
 };
 
 Params MakeParams(const FfaDims& dims, float scale, float softcap, const ffi::Buffer<ffi::S32>& q_ranges,
                   const ffi::Buffer<ffi::S32>& k_ranges, const ffi::Buffer<ffi::S32>& types) {
-  Params p{dims, scale, softcap, {}};
+  Params p{dims, scale, softcap, {}, dims.hkv};
   p.slices.reserve(dims.num_slices);
   for (int64_t i = 0; i < dims.num_slices; ++i)
     p.slices.push_back(LoadSlice(q_ranges.typed_data(), k_ranges.typed_data(), types.typed_data(), i, dims.tq,
@@ -146,8 +147,8 @@ void Forward(const Params& p, const T* q, const T* k, const T* v, T* out, float*
       KeySpan(s, rb, re, &kb, &ke);
       for (int64_t c0 = kb; c0 < ke; c0 += kBlockK) {
         const int64_t nc = std::min(ke, c0 + kBlockK) - c0, mr = re - rb;
-        LoadRowsTransposed(k, hkv, d, h / group, c0, c0 + nc, w.kt.data());
-        LoadRows(v, hkv, d, h / group, c0, c0 + nc, w.v.data());
+        LoadRowsTransposed(k, p.kv_row_heads, d, h / group, c0, c0 + nc, w.kt.data());
+        LoadRows(v, p.kv_row_heads, d, h / group, c0, c0 + nc, w.v.data());
         MatMul(w.q.data() + (rb - r0) * d, w.kt.data(), w.s.data(), int(mr), int(d), int(nc), false);
         MakeLogits(p, s, rb, mr, c0, nc, w.s.data());
         for (int64_t i = 0; i < mr; ++i) {  // online softmax update of row rb + i
@@ -346,17 +347,19 @@ T* Data(ffi::Result<ffi::AnyBuffer>& b) { return reinterpret_cast<T*>(b->untyped
 ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges,
                       ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev,
                       ffi::AnyBuffer lse_prev, float softmax_scale,
-                      float softcap, int32_t /*sm_margin: a GPU launch setting*/, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
+                      float softcap, int32_t /*sm_margin: a GPU launch setting*/, bool kv_packed,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
   auto merge = CheckMergeInputs(q, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
+  if (kv_packed) p.kv_row_heads = 2 * dims->hkv;
   return DispatchDtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    Forward<T>(p, Data<T>(q), Data<T>(k), Data<T>(v), Data<T>(out), lse->typed_data(),
+    const T* v_data = kv_packed ? Data<T>(k) + dims->hkv * dims->d : Data<T>(v);
+    Forward<T>(p, Data<T>(q), Data<T>(k), v_data, Data<T>(out), lse->typed_data(),
                *merge ? Data<T>(out_prev) : nullptr, *merge ? Data<float>(lse_prev) : nullptr);
   });
 }

@@ -7,6 +7,8 @@
 // The backward's k2, v2 [Tk2, Hkv, D] (Tk2 may be 0) are a second key source: the keys the ranges index are
 // concat(k, k2), and dk2, dv2 are the gradients of k2, v2 (the fetched rows of a distributed backward, which
 // then need no concatenation in memory).
+// The forward's attribute kv_packed: k is [Tk, 2 Hkv, D], K in heads [0, Hkv) and V in [Hkv, 2 Hkv) of each
+// row (a group collective's receive buffer, [Tk, 2, Hkv, D], as is); v is the same array (only k is read).
 // Shapes: q/out/dout/dq [Tq, Hq, D]; k/v/dk/dv [Tk, Hkv, D]; lse and dlse (the cotangent of lse, used when
 // partial results are merged by lse) [Tq, Hq] float32;
 // ranges int32 [N, 2] (half-open); attn_type_map int32 [N] (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL).
@@ -43,6 +45,7 @@ auto BindFfaFwd(Binding binding) {
       .template Attr<float>("softmax_scale")
       .template Attr<float>("softcap")
       .template Attr<int32_t>("sm_margin")              // SMs the persistent forward leaves free
+      .template Attr<bool>("kv_packed")                  // k holds K and V side by side per row (above)
       .template Ret<ffi::AnyBuffer>()                    // out
       .template Ret<ffi::Buffer<ffi::F32>>();            // lse [Tq, Hq]
 }
@@ -87,16 +90,18 @@ inline ffi::Error CheckSameShape(const char* name, const ffi::AnyBuffer& a, cons
 }
 
 // Checks ranks and shape agreement of the forward inputs (the Python wrapper gives clearer errors first;
-// this guards direct callers of the custom call).
+// this guards direct callers of the custom call). kv_packed: k (and v, the same buffer) is [Tk, 2 Hkv, D].
 inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                             const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& q_ranges,
                                             const ffi::Buffer<ffi::S32>& k_ranges,
-                                            const ffi::Buffer<ffi::S32>& types) {
+                                            const ffi::Buffer<ffi::S32>& types, bool kv_packed = false) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 3 || kd.size() != 3) return ffi::Error::InvalidArgument("q and k must be [T, H, D]");
   if (auto err = CheckSameShape("v", v, k); err.failure()) return err;
   if (k.element_type() != q.element_type()) return ffi::Error::InvalidArgument("k: dtype differs from q");
-  FfaDims dims{qd[0], kd[0], qd[1], kd[1], qd[2], 0};
+  if (kv_packed && kd[1] % 2 != 0)
+    return ffi::Error::InvalidArgument("k: kv_packed needs k (and v, the same) [Tk, 2 Hkv, D]");
+  FfaDims dims{qd[0], kd[0], qd[1], kv_packed ? kd[1] / 2 : kd[1], qd[2], 0};
   if (kd[2] != dims.d) return ffi::Error::InvalidArgument("k: head dim differs from q");
   if (dims.hkv == 0 || dims.hq % dims.hkv != 0)
     return ffi::Error::InvalidArgument("q heads must be a multiple of k heads");

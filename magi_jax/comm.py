@@ -300,15 +300,17 @@ def _transport(bufs: tuple, tables: CastTables, axis: str, reverse: bool, stack:
     return tuple(out)
 
 
-def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str, stack: bool = False
+def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str, stack: bool = False, packed: bool = False
                ) -> tuple[jax.Array, ...]:
     """Every rank sends the ranges of its local arrays xs [local_len, ...] that the stage's table lists, and
     receives its buffers [tables.buffer_len, ...] (layout in the module docstring; rows no transfer fills
-    are zero). One range_gather for all arrays, then one transport per array (``stack``: one for all)."""
+    are zero). One range_gather for all arrays, then one transport per array (``stack``: one for all,
+    through a stack and an unstack copy; ``packed``: one buffer [buffer_len, n, ...] holding the arrays side
+    by side, gathered so and returned as a 1-tuple, no copy)."""
     r = jax.lax.axis_index(axis)
     ranges = jnp.asarray(tables.send_ranges)[r]
-    send = range_gather(xs, ranges, tables.buffer_len)
-    return _transport(send, tables, axis, reverse=False, stack=stack)
+    send = range_gather(xs, ranges, tables.buffer_len, packed=packed)
+    return _transport(send, tables, axis, reverse=False, stack=stack and not packed)
 
 
 def return_partials(ys: Sequence[jax.Array], tables: CastTables, axis: str, wire_dtype=None,

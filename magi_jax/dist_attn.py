@@ -8,12 +8,14 @@
 
 Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan with stages 0..n-1:
 
-    forward   group_cast(stage i keys) for every i      -- depend on the local k, v only
+    forward   group_cast(stage i keys) for every i      -- depend on the local k, v only; K and V of a key
+                                                           side by side in one buffer: one collective
               FFA(local q, local kv, host slices) -> (out, lse)
               FFA(local q, stage i receive buffer, stage i slices, prev=(out, lse)) -> (out, lse)
-                  -- each stage's part lse-merged into the result so far by the kernel, in place
+                  -- each stage's part lse-merged into the result so far by the kernel, in place; the
+                     receive buffer read as is (K and V packed)
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
-              FFA bwd(local q, keys local kv + the receive buffers as a second source, fused slices)
+              FFA bwd(local q, keys local kv + the receive buffers' K and V as a second source, fused slices)
                   -> dq, dk, dv of the local keys, dk2, dv2 of the received ones
               group_reduce(dk2, dv2 of each stage's rows) -> back to the owners; dq stays local
               dk = local rows + returned partials, summed in float32
@@ -337,7 +339,8 @@ def _rows(slices, r):
 
 def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False, prev=None):
     """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs.
-    prev: the (out, lse) of the calls before, merged in by the kernel."""
+    prev: the (out, lse) of the calls before, merged in by the kernel. v None: k is a receive buffer, K and V
+    packed [n, 2, Hkv, D]."""
     return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap,
                          cfg.sm_margin if beside_transfer else 0, prev)
 
@@ -350,23 +353,27 @@ def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None, *
     return grads if k2 is not None else grads[:3]
 
 
+def _fetch(k, v, cfg: _Config) -> list:
+    """Every stage's receive buffer, K and V packed [buffer_len, 2, Hkv, D]: one collective per stage."""
+    return [group_cast((k, v), st.tables, cfg.plan.axis, packed=True)[0] for st in cfg.tables.stages]
+
+
 def _forward(q, k, v, cfg: _Config):
     tabs, r = cfg.tables, _rank(cfg)
-    axis = cfg.plan.axis
-    recv = [group_cast((k, v), st.tables, axis, cfg.stack_transfers) for st in tabs.stages]
+    recv = _fetch(k, v, cfg)
     if cfg.plan.overlap_degree == 0 and recv:
         return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
     # The host call runs under the transfers; stage i's under those of the stages after it. Each stage call
     # merges its part into the out and lse so far, in place (no merge pass over all parts after them).
     last = len(recv) - 1
     out = _fwd_call(cfg, q, k, v, tabs.host, r, beside_transfer=bool(recv))
-    for i, (st, (rk, rv)) in enumerate(zip(tabs.stages, recv)):
-        out = _fwd_call(cfg, q, rk, rv, st.slices, r, beside_transfer=i < last, prev=out)
+    for i, (st, kv) in enumerate(zip(tabs.stages, recv)):
+        out = _fwd_call(cfg, q, kv, None, st.slices, r, beside_transfer=i < last, prev=out)
     return out
 
 
 def _concat_kv(k, v, recv):
-    return jnp.concatenate([k, *(rk for rk, _ in recv)]), jnp.concatenate([v, *(rv for _, rv in recv)])
+    return jnp.concatenate([k, *(kv[:, 0] for kv in recv)]), jnp.concatenate([v, *(kv[:, 1] for kv in recv)])
 
 
 def _backward(cfg: _Config, res, cts):
@@ -396,8 +403,9 @@ def _backward_body(cfg: _Config, res, cts):
     if not tabs.stages:
         return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
     # The re-fetch is the forward's group_cast again: in one jitted module XLA merges the two, so the
-    # forward's receive buffers are reused rather than fetched twice.
-    recv = [group_cast((k, v), st.tables, axis, cfg.stack_transfers) for st in tabs.stages]
+    # forward's receive buffers are reused rather than fetched twice. The backward kernel takes K and V
+    # apart (two slices of each packed buffer).
+    recv = [(kv[:, 0], kv[:, 1]) for kv in _fetch(k, v, cfg)]
     tables = [st.tables for st in tabs.stages]
     if cfg.backward == "fused" or cfg.plan.overlap_degree == 0:
         # One call over concat(local, every receive buffer): one preprocess, one dQ accumulator and one
@@ -478,11 +486,11 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "fused" (default: one FFA
     backward call over the local and all fetched keys, then the partials travel back) or "staged" (one call
     per stage, each stage's partials travelling back under the next call; more calls, each with its own
-    preprocess, dQ summed in place in one float32 buffer; still ~4% slower than fused on 2 H200s,
-    BENCHMARKS.md); ``stack_transfers``: K and V (dK and
-    dV partials) travel stacked in one collective per stage instead of one each (XLA keeps one collective
-    in flight, so the second of two runs synchronously), at the price of a stack and an unstack copy (not
-    yet measured on GPUs); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
+    preprocess, dQ summed in place in one float32 buffer; 4-8% slower than fused on 2 H200s with XLA's
+    default flags, BENCHMARKS.md); ``stack_transfers``: the backward's dK and dV partials travel stacked in
+    one collective per stage instead of one each (XLA keeps one collective in flight, so the second of two
+    runs synchronously), at the price of a stack and an unstack copy (K and V are fetched in one collective
+    anyway, packed side by side by the gather); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
     free for it (flex_flash_attn's sm_margin; 0 serialises the transfer behind the call); the rest as
     flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""

@@ -108,7 +108,14 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
 def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0, prev=None):
     """out, lse over the slices given; prev: (out, lse) of an earlier call over the same q and other keys
     (disjoint slices), merged in by the kernel and updated in place: the result is that of both calls'
-    slices together."""
+    slices together. v None: k is K and V packed, [Tk, 2, Hkv, D] (a group collective's receive buffer),
+    read as is."""
+    kv_packed = v is None
+    if kv_packed:
+        if k.ndim != 4 or k.shape[1] != 2:
+            raise ValueError(f"k: packed K and V must be [Tk, 2, Hkv, D], got {k.shape}")
+        k = k.reshape(k.shape[0], 2 * k.shape[2], k.shape[3])
+        v = k
     if prev is None:
         prev = (jnp.zeros((0,), q.dtype), jnp.zeros((0,), jnp.float32))
         aliases = None
@@ -123,7 +130,7 @@ def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_mar
         _ffi.FFA_FWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
         q, k, v, q_ranges, k_ranges, attn_type_map, *prev, aliases=aliases, softmax_scale=np.float32(scale),
-        softcap=np.float32(softcap), sm_margin=np.int32(sm_margin))
+        softcap=np.float32(softcap), sm_margin=np.int32(sm_margin), kv_packed=kv_packed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))

@@ -114,6 +114,26 @@ def merged_forward(mask: AttnMask, q, k, v, cut: int):
             [np.asarray(x, np.float32) for x in jax.jit(two)(q, k, v)])
 
 
+def packed_kv_forward(mask: AttnMask, q, k, v, cut: int):
+    """The distributed forward's two calls, slices [:cut] on separate k, v, then slices [cut:] merging into
+    them, run twice: the second call on separate k, v, and on K and V packed side by side per row ([Tk, 2,
+    Hkv, D], as a group collective's receive buffer holds them; ffa._fwd_call with v None). Returns
+    ((out, lse) separate, (out, lse) packed), numpy in the calls' dtypes."""
+    from magi_jax import ffa
+    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
+    scale = q.shape[-1] ** -0.5
+
+    def two(q, k, v, kv):
+        first = ffa._fwd_call(q, k, v, qr[:cut], kr[:cut], types[:cut], scale, 0.0)
+        if kv is None:
+            return ffa._fwd_call(q, k, v, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
+        return ffa._fwd_call(q, kv, None, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
+
+    separate = jax.jit(lambda q, k, v: two(q, k, v, None))(q, k, v)
+    packed = jax.jit(lambda q, k, v: two(q, k, v, jnp.stack([k, v], axis=1)))(q, k, v)
+    return [np.asarray(x) for x in separate], [np.asarray(x) for x in packed]
+
+
 def chained_dq_grads(mask: AttnMask, q, k, v, cut: int):
     """The FFA backward over the mask's slices in one call, and in two calls over slices [:cut] and [cut:]
     (the same out and lse: each slice's gradient is its own) chaining dQ through ffa._bwd_call's float32

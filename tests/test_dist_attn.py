@@ -54,7 +54,8 @@ def test_transports(transport):
 @pytest.mark.parametrize("transport", ["all_to_all", "ppermute"])
 @pytest.mark.parametrize("backward", ["fused", "staged"])
 def test_stacked_transfers(transport, backward):
-    """K and V (and the dK/dV partials) in one collective per stage: same results, half the collectives."""
+    """The dK/dV partials in one collective per stage: same results; with K and V fetched packed, one
+    collective each way per stage (and transport block) instead of one there and two back."""
     mask = masks.varlen_causal(DOCS)
     mp = check_dist(mask, mesh_of(4), overlap=2, transport=transport, backward=backward, stack_transfers=True)
     q = jnp.zeros((mp.padded_seqlen, 2, 64), jnp.float32)
@@ -68,7 +69,17 @@ def test_stacked_transfers(transport, backward):
         return count_ops(jax.jit(step).lower(q, q, q).compile().as_text())["collectives"]
 
     separate, stacked = collectives(False), collectives(True)
-    assert stacked > 0 and separate == 2 * stacked
+    assert stacked > 0 and 2 * separate == 3 * stacked
+
+
+def test_forward_fetches_k_and_v_in_one_collective_per_stage():
+    # group_cast gathers K and V side by side into one buffer, which the stage calls read as is.
+    mask = masks.varlen_causal(DOCS)
+    mp = check_dist(mask, mesh_of(4), overlap=2, transport="all_to_all")
+    stages = len(mj.dist_attn.run_tables(mp.plan, "all_to_all").stages)
+    q = jnp.zeros((mp.padded_seqlen, 2, 64), jnp.float32)
+    fwd = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp, transport="all_to_all"))
+    assert stages == 2 and count_ops(fwd.lower(q, q, q).compile().as_text())["collectives"] == stages
 
 
 @pytest.mark.parametrize("hq, hkv, cp, overlap", [(4, 2, 4, 2), (4, 1, 2, 0)])

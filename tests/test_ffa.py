@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
-from tests.conftest import (chained_dq_grads, check_against_reference, merged_forward, random_qkv,
+from tests.conftest import (chained_dq_grads, check_against_reference, merged_forward, packed_kv_forward, random_qkv,
                             split_key_grads)
 
 
@@ -270,6 +270,21 @@ def test_forward_merged_into_a_previous_call_equals_one_call():
     for name, a, b in zip(["out", "lse"], one, two):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
     assert np.all(two[1][90:] == -np.inf) and np.all(two[0][90:] == 0)
+
+
+def test_forward_with_k_and_v_packed_equals_separate_ones():
+    # A stage call of the distributed forward reads the receive buffer as is: K and V side by side per row.
+    rng = np.random.default_rng(6)
+    mask = AttnMask([[0, 40], [10, 70], [50, 90], [10, 90]], [[0, 60], [60, 80], [80, 100], [100, 120]],
+                    [1, 0, 3, 0], 100, 120)
+    q, k, v = random_qkv(rng, 100, 120, 4, 2, 64)
+    separate, packed = packed_kv_forward(mask, q, k, v, cut=2)
+    for a, b in zip(separate, packed):
+        np.testing.assert_array_equal(a, b)
+    from magi_jax import ffa
+    qr, kr, t = (jnp.asarray(a) for a in mask.kernel_args())
+    with pytest.raises(ValueError, match="^k: packed K and V must be"):
+        ffa._fwd_call(q, k, None, qr, kr, t, 0.125, 0.0)
 
 
 def test_forward_prev_argument_errors():

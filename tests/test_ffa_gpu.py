@@ -16,7 +16,7 @@ from magi_jax import _ffi, masks
 from magi_jax.mask import AttnMask
 from magi_jax.reference import attention_dense, attention_f64
 from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, merged_forward,
-                            random_qkv, split_key_grads)
+                            packed_kv_forward, random_qkv, split_key_grads)
 
 pytestmark = pytest.mark.gpu
 
@@ -421,6 +421,18 @@ def test_backward_chained_dq_matches_one_call(d):
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
         assert rel < 1e-2, (name, rel)   # dk, dv: two bf16 partials added; dq: the atomics' order only
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
+    # A distributed stage call reads the receive buffer as is, K and V side by side per row (the sm90 maps
+    # and the mma.sync loads at a row stride of 2 Hkv D): the same kernel on the same values.
+    rng = np.random.default_rng(d + 2)
+    mask = masks.varlen_causal([300, 250, 150])
+    q, k, v = random_qkv(rng, 700, 700, 4, 2, d, jnp.bfloat16)
+    separate, packed = packed_kv_forward(mask, q, k, v, cut=2)
+    for a, b in zip(separate, packed):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
