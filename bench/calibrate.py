@@ -99,10 +99,11 @@ def time_call(tq: int, tk: int, slices, args) -> float:
 
 
 def time_cast(mesh: Mesh, tables: CastTables, local_len: int, heads: int, args) -> float:
-    """Median seconds of one group_cast of K and V ([local_len, heads, D] per rank) on a stage's tables."""
+    """Median seconds of one group_cast of K and V ([local_len, heads, D] per rank) on a stage's tables,
+    packed side by side as calc_attn fetches them."""
     cp = mesh.shape["cp"]
-    fn = jax.jit(jax.shard_map(lambda k, v: group_cast((k, v), tables, "cp"), mesh=mesh,
-                               in_specs=(P("cp"),) * 2, out_specs=(P("cp"),) * 2, check_vma=False))
+    fn = jax.jit(jax.shard_map(lambda k, v: group_cast((k, v), tables, "cp", packed=True)[0], mesh=mesh,
+                               in_specs=(P("cp"),) * 2, out_specs=P("cp"), check_vma=False))
     sh = NamedSharding(mesh, P("cp"))
     k, v = (_normal(i, (cp * local_len, heads, args.head_dim), args.dtype, sh) for i in (1, 2))
     return median_seconds(fn, k, v, warmup=args.warmup, reps=args.reps)

@@ -55,9 +55,8 @@ from bench.common import (append_report, attention_flops, doc_lengths, gpu_kerne
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
-# staged backward, magi with the dK/dV partials stacked in one collective, magi with sm_margin 0 (not run by
-# default)
-EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_staged", "magi_stacked", "magi_nomargin")
+# staged backward, magi with sm_margin 0 (not run by default)
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_staged", "magi_nomargin")
 
 
 def make_mask(name: str, total: int, seed: int = 0, block: int = 2048) -> AttnMask:
@@ -129,15 +128,14 @@ def _ffa(q, k, v, rows, scale):
     return ffa._ffa(q, k, v, *rows, scale, 0.0, False, 0)
 
 
-def build_magi(mask, mesh, args, transport=None, overlap=None, backward="fused", stack_transfers=False,
-               sm_margin=None):
+def build_magi(mask, mesh, args, transport=None, overlap=None, backward="fused", sm_margin=None):
     overlap = (args.overlap if args.overlap == "auto" else int(args.overlap)) if overlap is None else overlap
     mp = mj.plan(mask, mesh, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
                  overlap=overlap)
     transport = transport or args.transport
     sm_margin = args.sm_margin if sm_margin is None else sm_margin
     return (lambda q, k, v: mj.calc_attn(q, k, v, mp, transport=transport, backward=backward,
-                                         stack_transfers=stack_transfers, sm_margin=sm_margin)), mp
+                                         sm_margin=sm_margin)), mp
 
 
 def _zigzag(mask, mesh, args) -> DistAttnPlan:
@@ -248,7 +246,6 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
                 "magi_fused": functools.partial(build_magi, overlap=0),
                 "magi_staged": functools.partial(build_magi, backward="staged"),
-                "magi_stacked": functools.partial(build_magi, stack_transfers=True),
                 "magi_nomargin": functools.partial(build_magi, sm_margin=0)}
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n, "tokens": total, "area": area}

@@ -241,7 +241,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                       ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
                       ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
                       ffi::Buffer<ffi::S32> types, ffi::AnyBuffer k2, ffi::AnyBuffer v2, ffi::AnyBuffer dq_in,
-                      float softmax_scale, float softcap, bool deterministic, bool dq_f32,
+                      float softmax_scale, float softcap, bool deterministic, bool dq_f32, bool kv2_packed,
                       ffi::Result<ffi::AnyBuffer> dq,
                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                       ffi::Result<ffi::AnyBuffer> dk2, ffi::Result<ffi::AnyBuffer> dv2) {
@@ -253,7 +253,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (has_dq_in.has_error()) return has_dq_in.error();
   if (auto err = CheckSameShape("dk", *dk, k); err.failure()) return err;
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
-  auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2);
+  auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2, kv2_packed);
   if (tk2.has_error()) return tk2.error();
   const int64_t tk1 = dims->tk;
   dims->tk += *tk2;  // the kernels' key space: concat(k, k2)
@@ -330,7 +330,15 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   // other path (deterministic, mma.sync, a split row the kernel's CTAs cannot take) runs on concat(k, k2) in
   // scratch, copied in before and its dk, dv copied out after.
   KeySplit split;
-  if (*tk2 > 0) split = {k2.untyped_data(), v2.untyped_data(), dk2->untyped_data(), dv2->untyped_data(), tk1};
+  if (*tk2 > 0) {
+    split = {k2.untyped_data(), v2.untyped_data(), dk2->untyped_data(), dv2->untyped_data(), tk1};
+    if (kv2_packed) {  // V (dV) is the second half of each row of k2 (dk2)
+      const size_t half = size_t(dims->hkv * dims->d) * ffi::ByteWidth(k.element_type());
+      split.v2 = static_cast<const char*>(split.k2) + half;
+      split.dv2 = static_cast<char*>(split.dk2) + half;
+      split.row_heads = int(2 * dims->hkv);
+    }
+  }
 
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
@@ -345,6 +353,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     const bool concat = split.row >= 0 && !enqueued;
     const size_t row_bytes = size_t(dims->hkv) * D * sizeof(T), bytes1 = size_t(tk1) * row_bytes,
                  bytes2 = size_t(*tk2) * row_bytes;
+    const size_t pitch2 = kv2_packed ? 2 * row_bytes : row_bytes;  // between rows of k2, v2, dk2, dv2
     if (concat) {
       auto buf = Carver::Allocate(scratch, 4 * Carver::Round(bytes1 + bytes2));
       if (!buf.has_value())
@@ -354,7 +363,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       for (auto [dst, a, b] : {std::tuple{kc, p.k, split.k2}, {vc, p.v, split.v2}}) {
         if (cudaError_t e = cudaMemcpyAsync(dst, a, bytes1, cudaMemcpyDeviceToDevice, stream); e != cudaSuccess)
           return CudaFailure("concat(k, k2)", e);
-        if (cudaError_t e = cudaMemcpyAsync(dst + bytes1, b, bytes2, cudaMemcpyDeviceToDevice, stream);
+        if (cudaError_t e = cudaMemcpy2DAsync(dst + bytes1, row_bytes, b, pitch2, row_bytes, size_t(*tk2),
+                                              cudaMemcpyDeviceToDevice, stream);
             e != cudaSuccess)
           return CudaFailure("concat(k, k2)", e);
       }
@@ -408,7 +418,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       for (auto [src, a, b] : {std::tuple{dkc, dk->untyped_data(), split.dk2}, {dvc, dv->untyped_data(), split.dv2}}) {
         if (cudaError_t e = cudaMemcpyAsync(a, src, bytes1, cudaMemcpyDeviceToDevice, stream); e != cudaSuccess)
           return CudaFailure("split dk, dk2", e);
-        if (cudaError_t e = cudaMemcpyAsync(b, src + bytes1, bytes2, cudaMemcpyDeviceToDevice, stream);
+        if (cudaError_t e = cudaMemcpy2DAsync(b, pitch2, src + bytes1, row_bytes, row_bytes, size_t(*tk2),
+                                              cudaMemcpyDeviceToDevice, stream);
             e != cudaSuccess)
           return CudaFailure("split dk, dk2", e);
       }

@@ -44,18 +44,22 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
   BwdSm90Params sp{};
   const int tq = p.slices.tq, tk = two ? int(split.row) : p.slices.tk, tk2 = p.slices.tk - tk;
   if (!EncodeMap<T>(encode, &sp.q_map, p.q, tq, p.hq, D, Tile::kBlockM) ||
-      !EncodeMap<T>(encode, &sp.do_map, p.dout, tq, p.hq, D, Tile::kBlockM) ||
-      !EncodeMap<T>(encode, &sp.k_map, p.k, tk, p.hkv, D, Tile::kBlockN) ||
-      !EncodeMap<T>(encode, &sp.v_map, p.v, tk, p.hkv, D, Tile::kBlockN) ||
-      !EncodeMap<T>(encode, &sp.dk_map, p.dk, tk, p.hkv, D, Tile::kKeysPerWarpgroup) ||
-      !EncodeMap<T>(encode, &sp.dv_map, p.dv, tk, p.hkv, D, Tile::kKeysPerWarpgroup))
+      !EncodeMap<T>(encode, &sp.do_map, p.dout, tq, p.hq, D, Tile::kBlockM))
+    return cudaErrorNotSupported;
+  // The first source's maps; none when every key is the second source's (a staged distributed backward's
+  // stage call: no CTA reads them).
+  if (tk > 0 && (!EncodeMap<T>(encode, &sp.k_map, p.k, tk, p.hkv, D, Tile::kBlockN) ||
+                 !EncodeMap<T>(encode, &sp.v_map, p.v, tk, p.hkv, D, Tile::kBlockN) ||
+                 !EncodeMap<T>(encode, &sp.dk_map, p.dk, tk, p.hkv, D, Tile::kKeysPerWarpgroup) ||
+                 !EncodeMap<T>(encode, &sp.dv_map, p.dv, tk, p.hkv, D, Tile::kKeysPerWarpgroup)))
     return cudaErrorNotSupported;
   sp.split_row = INT_MAX;
   if (two && tk2 > 0) {
-    if (!EncodeMap<T>(encode, &sp.k2_map, split.k2, tk2, p.hkv, D, Tile::kBlockN) ||
-        !EncodeMap<T>(encode, &sp.v2_map, split.v2, tk2, p.hkv, D, Tile::kBlockN) ||
-        !EncodeMap<T>(encode, &sp.dk2_map, split.dk2, tk2, p.hkv, D, Tile::kKeysPerWarpgroup) ||
-        !EncodeMap<T>(encode, &sp.dv2_map, split.dv2, tk2, p.hkv, D, Tile::kKeysPerWarpgroup))
+    const int rh = split.row_heads;  // K and V packed side by side: a row stride of 2 Hkv heads
+    if (!EncodeMap<T>(encode, &sp.k2_map, split.k2, tk2, p.hkv, D, Tile::kBlockN, rh) ||
+        !EncodeMap<T>(encode, &sp.v2_map, split.v2, tk2, p.hkv, D, Tile::kBlockN, rh) ||
+        !EncodeMap<T>(encode, &sp.dk2_map, split.dk2, tk2, p.hkv, D, Tile::kKeysPerWarpgroup, rh) ||
+        !EncodeMap<T>(encode, &sp.dv2_map, split.dv2, tk2, p.hkv, D, Tile::kKeysPerWarpgroup, rh))
       return cudaErrorNotSupported;
     sp.split_row = tk;
   }

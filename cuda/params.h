@@ -43,10 +43,12 @@ struct FwdParams {
 
 // A second key source for the sm90 backward (cuda/flash_bwd_sm90_kernel.h): keys [row, Tk) of the
 // problem are rows [0, Tk - row) of k2, v2, their gradients dk2, dv2 ([Tk - row, Hkv, D]); row < 0: none.
+// row_heads: heads from one row of them to the next (0: Hkv; 2 Hkv when K and V are packed side by side).
 struct KeySplit {
   const void *k2 = nullptr, *v2 = nullptr;
   void *dk2 = nullptr, *dv2 = nullptr;
   int64_t row = -1;
+  int row_heads = 0;
 };
 
 // Rows of BwdParams::lse_delta_t per head: Tq rounded up to 4 (TMA strides are multiples of 16 bytes).

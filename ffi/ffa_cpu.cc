@@ -368,7 +368,7 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
                       ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
                       ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types,
                       ffi::AnyBuffer k2, ffi::AnyBuffer v2, ffi::AnyBuffer dq_in, float softmax_scale,
-                      float softcap, bool deterministic /*always so on the CPU*/, bool dq_f32,
+                      float softcap, bool deterministic /*always so on the CPU*/, bool dq_f32, bool kv2_packed,
                       ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dk2,
                       ffi::Result<ffi::AnyBuffer> dv2) {
@@ -376,7 +376,7 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
   if (dims.has_error()) return dims.error();
   for (auto [name, buf, ref] : {std::tuple{"out", &out, &q}, {"dout", &dout, &q}})
     if (auto err = CheckSameShape(name, *buf, *ref); err.failure()) return err;
-  auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2);
+  auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2, kv2_packed);
   if (tk2.has_error()) return tk2.error();
   auto has_dq_in = CheckDqChain(q, dq_in, *dq, dq_f32, deterministic);
   if (has_dq_in.has_error()) return has_dq_in.error();
@@ -399,18 +399,26 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
       backward(Data<T>(k), Data<T>(v), Data<T>(dk), Data<T>(dv));
       return;
     }
-    // Two key sources: the reference path runs on their concatenation.
-    const size_t n1 = size_t(tk1 * dims->hkv * dims->d), n = size_t(dims->tk * dims->hkv * dims->d);
+    // Two key sources: the reference path runs on their concatenation. Packed: row r of k2 (dk2) holds K
+    // then V (dK then dV), `row` elements each.
+    const size_t row = size_t(dims->hkv * dims->d), n1 = size_t(tk1) * row, n = size_t(dims->tk) * row;
+    const size_t pitch = kv2_packed ? 2 * row : row;
+    T* dv2_data = kv2_packed ? Data<T>(dk2) + row : Data<T>(dv2);
+    const T* v2_data = kv2_packed ? Data<T>(k2) + row : Data<T>(v2);
     std::vector<T> kc(n), vc(n), dkc(n), dvc(n);
     std::copy(Data<T>(k), Data<T>(k) + n1, kc.begin());
-    std::copy(Data<T>(k2), Data<T>(k2) + (n - n1), kc.begin() + n1);
     std::copy(Data<T>(v), Data<T>(v) + n1, vc.begin());
-    std::copy(Data<T>(v2), Data<T>(v2) + (n - n1), vc.begin() + n1);
+    for (int64_t r = 0; r < *tk2; ++r) {
+      std::copy_n(Data<T>(k2) + r * pitch, row, kc.begin() + n1 + r * row);
+      std::copy_n(v2_data + r * pitch, row, vc.begin() + n1 + r * row);
+    }
     backward(kc.data(), vc.data(), dkc.data(), dvc.data());
     std::copy(dkc.begin(), dkc.begin() + n1, Data<T>(dk));
-    std::copy(dkc.begin() + n1, dkc.end(), Data<T>(dk2));
     std::copy(dvc.begin(), dvc.begin() + n1, Data<T>(dv));
-    std::copy(dvc.begin() + n1, dvc.end(), Data<T>(dv2));
+    for (int64_t r = 0; r < *tk2; ++r) {
+      std::copy_n(dkc.begin() + n1 + r * row, row, Data<T>(dk2) + r * pitch);
+      std::copy_n(dvc.begin() + n1 + r * row, row, dv2_data + r * pitch);
+    }
   });
 }
 

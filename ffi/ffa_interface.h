@@ -7,6 +7,8 @@
 // The backward's k2, v2 [Tk2, Hkv, D] (Tk2 may be 0) are a second key source: the keys the ranges index are
 // concat(k, k2), and dk2, dv2 are the gradients of k2, v2 (the fetched rows of a distributed backward, which
 // then need no concatenation in memory).
+// The backward's attribute kv2_packed: the second source packed the same way, k2 [Tk2, 2 Hkv, D] (v2 the same
+// array) and its gradients dk2 [Tk2, 2 Hkv, D] (dK and dV side by side per row; dv2 an empty placeholder).
 // The forward's attribute kv_packed: k is [Tk, 2 Hkv, D], K in heads [0, Hkv) and V in [Hkv, 2 Hkv) of each
 // row (a group collective's receive buffer, [Tk, 2, Hkv, D], as is); v is the same array (only k is read).
 // Shapes: q/out/dout/dq [Tq, Hq, D]; k/v/dk/dv [Tk, Hkv, D]; lse and dlse (the cotangent of lse, used when
@@ -69,6 +71,7 @@ auto BindFfaBwd(Binding binding) {
       .template Attr<float>("softcap")
       .template Attr<bool>("deterministic")
       .template Attr<bool>("dq_f32")                    // dq returned unrounded in float32 (dq_in + dq)
+      .template Attr<bool>("kv2_packed")                // k2 and dk2 hold K and V side by side per row (above)
       .template Ret<ffi::AnyBuffer>()                    // dq
       .template Ret<ffi::AnyBuffer>()                    // dk
       .template Ret<ffi::AnyBuffer>()                    // dv
@@ -113,17 +116,21 @@ inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::
   return dims;
 }
 
-// The backward's second key source: k2 like k but for its row count, v2 and the gradients dk2, dv2 like k2.
-// Returns Tk2.
+// The backward's second key source: k2 like k but for its row count, v2 and the gradients dk2, dv2 like k2;
+// packed: k2 and dk2 [Tk2, 2 Hkv, D], v2 the same array as k2, dv2 empty. Returns Tk2.
 inline ffi::ErrorOr<int64_t> CheckSecondKeys(const ffi::AnyBuffer& k, const ffi::AnyBuffer& k2,
                                              const ffi::AnyBuffer& v2, const ffi::AnyBuffer& dk2,
-                                             const ffi::AnyBuffer& dv2) {
+                                             const ffi::AnyBuffer& dv2, bool packed) {
   auto kd = k.dimensions(), k2d = k2.dimensions();
-  if (k2d.size() != 3 || k2d[1] != kd[1] || k2d[2] != kd[2] || k2.element_type() != k.element_type())
-    return ffi::Error::InvalidArgument("k2: must be [Tk2, Hkv, D] with k's heads, head dim and dtype");
+  if (k2d.size() != 3 || k2d[1] != (packed ? 2 : 1) * kd[1] || k2d[2] != kd[2] || k2.element_type() != k.element_type())
+    return ffi::Error::InvalidArgument(packed ? "k2: packed must be [Tk2, 2 Hkv, D] with k's Hkv, head dim and dtype"
+                                              : "k2: must be [Tk2, Hkv, D] with k's heads, head dim and dtype");
   if (auto err = CheckSameShape("v2", v2, k2); err.failure()) return err;
   if (auto err = CheckSameShape("dk2", dk2, k2); err.failure()) return err;
-  if (auto err = CheckSameShape("dv2", dv2, k2); err.failure()) return err;
+  if (packed && dv2.element_count() != 0)
+    return ffi::Error::InvalidArgument("dv2: empty when k2 is packed (dk2 holds dK and dV)");
+  if (!packed)
+    if (auto err = CheckSameShape("dv2", dv2, k2); err.failure()) return err;
   return k2d[0];
 }
 

@@ -273,13 +273,9 @@ def cast_tables(transfers: StageTransfers, transport: str = "auto") -> CastTable
 # ---------------------------------------------------------------------------------------------------------
 # The collectives. Called inside a shard_map (or any context binding ``axis``) on every rank.
 
-def _transport(bufs: tuple, tables: CastTables, axis: str, reverse: bool, stack: bool = False) -> tuple:
-    """Moves the send buffers (forward) or returns partials to their senders (reverse). ``stack``: arrays of
-    one shape and dtype travel stacked in one collective per block instead of one each (XLA runs one
-    collective at a time, so separate ones serialise), at the price of a stack and an unstack copy."""
-    if stack and len(bufs) > 1 and len({(b.shape, b.dtype) for b in bufs}) == 1:
-        stacked = _transport((jnp.stack(bufs, axis=1),), tables, axis, reverse)[0]
-        return tuple(stacked[:, i] for i in range(len(bufs)))
+def _transport(bufs: tuple, tables: CastTables, axis: str, reverse: bool) -> tuple:
+    """Moves the send buffers (forward) or returns partials to their senders (reverse): one collective per
+    buffer (and, for ppermute, per non-empty shift)."""
     cp = tables.cp
     if tables.transport == "all_to_all":
         m = bufs[0].shape[0] // cp
@@ -300,46 +296,49 @@ def _transport(bufs: tuple, tables: CastTables, axis: str, reverse: bool, stack:
     return tuple(out)
 
 
-def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str, stack: bool = False, packed: bool = False
+def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str, packed: bool = False
                ) -> tuple[jax.Array, ...]:
     """Every rank sends the ranges of its local arrays xs [local_len, ...] that the stage's table lists, and
     receives its buffers [tables.buffer_len, ...] (layout in the module docstring; rows no transfer fills
-    are zero). One range_gather for all arrays, then one transport per array (``stack``: one for all,
-    through a stack and an unstack copy; ``packed``: one buffer [buffer_len, n, ...] holding the arrays side
-    by side, gathered so and returned as a 1-tuple, no copy)."""
+    are zero). One range_gather for all arrays, then one transport per array; ``packed``: one buffer
+    [buffer_len, n, ...] holding the arrays side by side (gathered so: no copy), one transport, returned
+    as a 1-tuple. XLA keeps one collective in flight by default, so of separate ones all but one would run
+    synchronously."""
     r = jax.lax.axis_index(axis)
     ranges = jnp.asarray(tables.send_ranges)[r]
     send = range_gather(xs, ranges, tables.buffer_len, packed=packed)
-    return _transport(send, tables, axis, reverse=False, stack=stack and not packed)
+    return _transport(send, tables, axis, reverse=False)
 
 
-def return_partials(ys: Sequence[jax.Array], tables: CastTables, axis: str, wire_dtype=None,
-                    stack: bool = False) -> tuple[jax.Array, ...]:
+def return_partials(ys: Sequence[jax.Array], tables: CastTables, axis: str, wire_dtype=None
+                    ) -> tuple[jax.Array, ...]:
     """group_reduce's transport alone: partials over the receive buffer go back to the ranks that sent
-    those rows, arriving in the layout of their send buffers (cast to ``wire_dtype`` first, if given;
-    ``stack``: one collective for all arrays)."""
+    those rows, arriving in the layout of their send buffers (cast to ``wire_dtype`` first, if given)."""
     ys = tuple(y if wire_dtype is None else y.astype(wire_dtype) for y in ys)
-    return _transport(ys, tables, axis, reverse=True, stack=stack)
+    return _transport(ys, tables, axis, reverse=True)
 
 
 def accumulate_partials(back: Sequence[jax.Array], tables: CastTables, axis: str, out_len: int | None = None,
-                        out_dtype=jnp.float32, init: Sequence[jax.Array] | None = None) -> tuple[jax.Array, ...]:
+                        out_dtype=jnp.float32, init: Sequence[jax.Array] | None = None, packed: bool = False
+                        ) -> tuple[jax.Array, ...]:
     """group_reduce's unpacking alone: returned partials summed (float32) into the rows they came from,
-    from zero into [out_len, ...] of ``out_dtype``, or in place into ``init``."""
+    from zero into [out_len, ...] of ``out_dtype``, or in place into ``init``; ``packed``: back is one
+    buffer [buffer_len, n, ...] of n arrays side by side, summed into n arrays."""
     r = jax.lax.axis_index(axis)
     ranges = jnp.asarray(tables.send_ranges)[r]
-    return range_scatter_add(back, ranges, out_len, out_dtype, init=init)
+    return range_scatter_add(back, ranges, out_len, out_dtype, init=init, packed=packed)
 
 
 def group_reduce(ys: Sequence[jax.Array], tables: CastTables, axis: str, out_len: int | None = None,
                  out_dtype=jnp.float32, wire_dtype=None, init: Sequence[jax.Array] | None = None,
-                 stack: bool = False) -> tuple[jax.Array, ...]:
+                 packed: bool = False) -> tuple[jax.Array, ...]:
     """The transpose of group_cast: partials ys [tables.buffer_len, ...] over each rank's receive buffer
     go back to the ranks that sent those rows and are summed there into [out_len, ...] arrays of
     ``out_dtype`` (float32 by default; the sum is always taken in float32), or added in place to ``init``
-    (only the rows that were sent are touched). ``wire_dtype`` casts before the transport (default: ys')."""
+    (only the rows that were sent are touched). ``wire_dtype`` casts before the transport (default: ys').
+    ``packed``: ys is one buffer [buffer_len, n, ...] (group_cast's packed layout), one transport."""
     back = return_partials(ys, tables, axis, wire_dtype)
-    return accumulate_partials(back, tables, axis, out_len, out_dtype, init)
+    return accumulate_partials(back, tables, axis, out_len, out_dtype, init, packed)
 
 
 __all__ = ["range_gather", "range_scatter_add", "CastTables", "cast_tables",

@@ -15,12 +15,13 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
                   -- each stage's part lse-merged into the result so far by the kernel, in place; the
                      receive buffer read as is (K and V packed)
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
-              FFA bwd(local q, keys local kv + the receive buffers' K and V as a second source, fused slices)
-                  -> dq, dk, dv of the local keys, dk2, dv2 of the received ones
-              group_reduce(dk2, dv2 of each stage's rows) -> back to the owners; dq stays local
-              dk = local rows + returned partials, summed in float32
-    (backward="staged": FFA bwd per stage, each stage's group_reduce under the next stage's call and the
-    host call last; more calls, each with its own preprocess, dQ chained through one float32 accumulator.)
+              FFA bwd(local q, keys local kv + the receive buffers as a second source, fused slices)
+                  -> dq, dk, dv of the local keys, dkv2 of the received ones (dK and dV packed)
+              group_reduce(dkv2 of each stage's rows) -> back to the owners, one collective; dq stays local
+              dk, dv = local rows + returned partials, summed in float32
+    (backward="staged": FFA bwd per stage, the stage's receive buffer its only keys, each stage's
+    group_reduce under the next stage's call and the host call last; more calls, each with its own
+    preprocess, dQ chained through one float32 accumulator.)
 
 No group_cast depends on an attention call, so XLA's latency-hiding scheduler is free to run stage i's
 transfer under the host or stage i-1's kernel (and a staged backward's group_reduce i under FFA bwd i+1).
@@ -321,7 +322,6 @@ class _Config:
     deterministic: bool
     wire_dtype: str | None
     backward: str
-    stack_transfers: bool
     sm_margin: int
 
     @property
@@ -345,12 +345,12 @@ def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False, prev=None):
                          cfg.sm_margin if beside_transfer else 0, prev)
 
 
-def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, k2=None, v2=None, **dq_chain):
-    """dq, dk, dv (and dk2, dv2 with a second key source k2, v2: keys concat(k, k2), not concatenated);
-    dq_chain: ffa._bwd_call's dq_in, dq_f32."""
+def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, kv2=None, **dq_chain):
+    """dq, dk, dv, and with a second key source kv2 (a receive buffer, K and V packed; keys concat(k, kv2),
+    not concatenated) its gradients dkv2, packed the same way; dq_chain: ffa._bwd_call's dq_in, dq_f32."""
     grads = ffa._bwd_call(q, k, v, out, dout, lse, dlse, *_rows(slices, r), cfg.scale, cfg.softcap,
-                          cfg.deterministic, k2, v2, **dq_chain)
-    return grads if k2 is not None else grads[:3]
+                          cfg.deterministic, kv2, None, **dq_chain)
+    return grads[:4] if kv2 is not None else grads[:3]
 
 
 def _fetch(k, v, cfg: _Config) -> list:
@@ -382,15 +382,16 @@ def _backward(cfg: _Config, res, cts):
 
 
 def _add_partials(backs, tables, axis, local):
-    """local (dK, dV of the local keys, the kernel's dtype) plus every stage's returned partials, summed in
-    float32 and rounded once. One stage whose partials travel in the kernel's dtype: added in place,
-    touching only the rows that were sent; otherwise through a float32 accumulator."""
+    """local (dK, dV of the local keys, the kernel's dtype) plus every stage's returned partials (dK and dV
+    packed side by side), summed in float32 and rounded once. One stage whose partials travel in the
+    kernel's dtype: added in place, touching only the rows that were sent; otherwise through a float32
+    accumulator."""
     dtype = local[0].dtype
     if len(backs) == 1 and backs[0][0].dtype == dtype:
-        return accumulate_partials(backs[0], tables[0], axis, init=local)
+        return accumulate_partials(backs[0], tables[0], axis, init=local, packed=True)
     acc = None
     for back, t in zip(backs, tables):
-        acc = accumulate_partials(back, t, axis, local[0].shape[0], jnp.float32, init=acc)
+        acc = accumulate_partials(back, t, axis, local[0].shape[0], jnp.float32, init=acc, packed=True)
     return tuple((a + x.astype(jnp.float32)).astype(dtype) for a, x in zip(acc, local))
 
 
@@ -403,39 +404,43 @@ def _backward_body(cfg: _Config, res, cts):
     if not tabs.stages:
         return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
     # The re-fetch is the forward's group_cast again: in one jitted module XLA merges the two, so the
-    # forward's receive buffers are reused rather than fetched twice. The backward kernel takes K and V
-    # apart (two slices of each packed buffer).
-    recv = [(kv[:, 0], kv[:, 1]) for kv in _fetch(k, v, cfg)]
+    # forward's receive buffers are reused rather than fetched twice. The kernels read them packed as they
+    # are and return their dK and dV packed the same way: one collective per stage each way.
+    recv = _fetch(k, v, cfg)
     tables = [st.tables for st in tabs.stages]
     if cfg.backward == "fused" or cfg.plan.overlap_degree == 0:
         # One call over concat(local, every receive buffer): one preprocess, one dQ accumulator and one
         # kernel tail instead of one per stage; the partials then travel back (not overlapped). The local
         # keys and the received ones are the call's two key sources: neither is copied into a concatenation,
         # and the local gradients are a buffer of their own (the partials add into it in place).
-        k2, v2 = (recv[0] if len(recv) == 1 else (jnp.concatenate([rk for rk, _ in recv]),
-                                                   jnp.concatenate([rv for _, rv in recv])))
-        dq, dk_local, dv_local, dk2, dv2 = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.fused, r, k2, v2)
+        kv2 = recv[0] if len(recv) == 1 else jnp.concatenate(recv)
+        dq, dk_local, dv_local, dkv2 = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.fused, r, kv2)
         ends = np.cumsum([0] + [t.buffer_len for t in tables])
-        backs = [return_partials((dk2[a:b], dv2[a:b]), t, axis, wire, cfg.stack_transfers)
-                 for t, a, b in zip(tables, ends[:-1], ends[1:])]
+        backs = [return_partials((dkv2[a:b],), t, axis, wire) for t, a, b in zip(tables, ends[:-1], ends[1:])]
         dk, dv = _add_partials(backs, tables, axis, (dk_local, dv_local))
         return dq, dk, dv
     # Staged: stages first, the host call last: stage i's partials travel back under stage i+1's call,
     # the last ones under the host call. dQ: one float32 accumulator passed from call to call and rounded
-    # once (deterministic: each call's own dQ, summed here, since that kernel writes q's dtype).
-    def call(kk, vv, slices, dq):
-        """One staged call: (dq so far plus this call's, in float32), dk, dv."""
-        if not cfg.deterministic:
-            return _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, r, dq_in=dq, dq_f32=True)
-        dq_i, dk_i, dv_i = _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, r)
-        return (dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)), dk_i, dv_i
+    # once (deterministic: each call's own dQ, summed here, since that kernel writes q's dtype). A stage
+    # call's keys are its receive buffer alone: the second source of a call with no first one.
+    none = jnp.zeros((0, *k.shape[1:]), k.dtype)
+
+    def call(slices, dq, kv=None):
+        """One staged call over the local keys, or over the receive buffer kv: (dq so far plus this call's,
+        in float32) and the key gradients: (dk, dv) of the local keys, or (dkv,) packed."""
+        kk, vv = (k, v) if kv is None else (none, none)
+        chain = {} if cfg.deterministic else dict(dq_in=dq, dq_f32=True)
+        dq_i, dk_i, dv_i, *dkv = _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, r, kv, **chain)
+        if cfg.deterministic:
+            dq_i = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)
+        return dq_i, (tuple(dkv) if kv is not None else (dk_i, dv_i))
 
     dq, backs = None, []
-    for st, (rk, rv) in zip(tabs.stages, recv):
-        dq, dk_i, dv_i = call(rk, rv, st.slices, dq)
-        backs.append(return_partials((dk_i, dv_i), st.tables, axis, wire, cfg.stack_transfers))
-    dq, dk_h, dv_h = call(k, v, tabs.host, dq)
-    dk, dv = _add_partials(backs, tables, axis, (dk_h, dv_h))
+    for st, kv in zip(tabs.stages, recv):
+        dq, dkv = call(st.slices, dq, kv)
+        backs.append(return_partials(dkv, st.tables, axis, wire))
+    dq, local = call(tabs.host, dq)
+    dk, dv = _add_partials(backs, tables, axis, local)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
@@ -459,7 +464,7 @@ SM_MARGIN = 8
 
 
 def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype,
-            backward, stack_transfers, sm_margin) -> _Config:
+            backward, sm_margin) -> _Config:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     if backward not in BACKWARDS:
@@ -469,13 +474,13 @@ def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministi
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
     return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire, backward,
-                   bool(stack_transfers), ffa.check_sm_margin(sm_margin))
+                   ffa.check_sm_margin(sm_margin))
 
 
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
                     transport: str = "auto", reduce_wire_dtype=None, backward: str = "fused",
-                    stack_transfers: bool = False, sm_margin: int = SM_MARGIN
+                    sm_margin: int = SM_MARGIN
                     ) -> tuple[jax.Array, jax.Array]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
 
@@ -487,10 +492,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     backward call over the local and all fetched keys, then the partials travel back) or "staged" (one call
     per stage, each stage's partials travelling back under the next call; more calls, each with its own
     preprocess, dQ summed in place in one float32 buffer; 4-8% slower than fused on 2 H200s with XLA's
-    default flags, BENCHMARKS.md); ``stack_transfers``: the backward's dK and dV partials travel stacked in
-    one collective per stage instead of one each (XLA keeps one collective in flight, so the second of two
-    runs synchronously), at the price of a stack and an unstack copy (K and V are fetched in one collective
-    anyway, packed side by side by the gather); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
+    default flags, BENCHMARKS.md); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
     free for it (flex_flash_attn's sm_margin; 0 serialises the transfer behind the call); the rest as
     flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
@@ -504,7 +506,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
         raise ValueError(f"q, k, v: batch dims differ: {q.shape}, {k.shape}, {v.shape}")
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
-                  backward, stack_transfers, sm_margin)
+                  backward, sm_margin)
     if q.ndim == 3:
         return _attn(q, k, v, cfg)
     outs = [_attn(q[b], k[b], v[b], cfg) for b in range(q.shape[0])]
@@ -521,7 +523,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
     replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype, backward, stack_transfers, sm_margin)."""
+    reduce_wire_dtype, backward, sm_margin)."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
     for name, x in (("q", q), ("k", k), ("v", v)):

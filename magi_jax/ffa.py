@@ -154,7 +154,9 @@ def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
 def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic,
               k2=None, v2=None, dq_in=None, dq_f32=False):
     """dq, dk, dv, dk2, dv2: the backward over the keys concat(k, k2) (k_ranges index them), without
-    concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty).
+    concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty). v2 None with k2: k2 is
+    K and V packed [Tk2, 2, Hkv, D] (a group collective's receive buffer), and dk2 comes back packed the same
+    way, dK and dV side by side (dv2 None): one buffer for the partials' return.
     A backward split into calls over disjoint key sets chains dQ in float32: dq_f32=True returns dq
     unrounded in float32, plus dq_in (float32, q's shape) when given; the next call takes it as dq_in and
     adds to it in place. Not with deterministic=True."""
@@ -164,20 +166,29 @@ def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, 
         raise ValueError("dq_in: needs dq_f32=True (the chained sum stays in float32)")
     if dq_in is not None and (dq_in.shape != q.shape or dq_in.dtype != jnp.float32):
         raise ValueError(f"dq_in: must be float32 of q's shape {q.shape}, got {dq_in.dtype}{list(dq_in.shape)}")
+    kv2_packed = k2 is not None and v2 is None
     if k2 is None:
         k2 = v2 = jnp.zeros((0, *k.shape[1:]), k.dtype)
+    elif kv2_packed:
+        if k2.ndim != 4 or k2.shape[1] != 2 or k2.shape[2:] != k.shape[1:]:
+            raise ValueError(f"k2: packed K and V must be [Tk2, 2, {k.shape[1]}, {k.shape[2]}], got {k2.shape}")
+        k2 = v2 = k2.reshape(k2.shape[0], 2 * k2.shape[2], k2.shape[3])
     has_in = dq_in is not None
     if not has_in:
         dq_in = jnp.zeros((0,), jnp.float32)
     _ffi.check_kernel_env()
-    return _ffi.call(
+    dv2_shape = (0,) if kv2_packed else v2.shape
+    dq, dk, dv, dk2, dv2 = _ffi.call(
         _ffi.FFA_BWD,
         (jax.ShapeDtypeStruct(q.shape, jnp.float32 if dq_f32 else q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
          jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(k2.shape, k2.dtype),
-         jax.ShapeDtypeStruct(v2.shape, v2.dtype)),
+         jax.ShapeDtypeStruct(dv2_shape, v2.dtype)),
         q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map, k2,
         v2, dq_in, aliases={12: 0} if has_in else None, softmax_scale=np.float32(scale),
-        softcap=np.float32(softcap), deterministic=deterministic, dq_f32=dq_f32)
+        softcap=np.float32(softcap), deterministic=deterministic, dq_f32=dq_f32, kv2_packed=kv2_packed)
+    if kv2_packed:
+        return dq, dk, dv, dk2.reshape(dk2.shape[0], 2, dk2.shape[1] // 2, dk2.shape[2]), None
+    return dq, dk, dv, dk2, dv2
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)

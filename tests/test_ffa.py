@@ -237,13 +237,15 @@ def test_sm_margin_does_not_change_the_result():
 
 
 @pytest.mark.parametrize("split", [0, 37, 64, 100])
-def test_backward_with_two_key_sources_equals_one(split):
-    # The distributed backward passes its fetched keys as a second source instead of concatenating them;
-    # the gradients must be those of the concatenation (bitwise on the CPU, which concatenates internally).
+@pytest.mark.parametrize("packed", [False, True])
+def test_backward_with_two_key_sources_equals_one(split, packed):
+    # The distributed backward passes its fetched keys as a second source instead of concatenating them
+    # (packed: K and V side by side per row, as fetched; dK and dV returned so); the gradients must be those
+    # of the concatenation (bitwise on the CPU, which concatenates internally).
     rng = np.random.default_rng(split)
     mask = AttnMask([[0, 40], [10, 70], [50, 90]], [[0, 60], [30, 100], [70, 100]], [1, 0, 3], 90, 100)
     q, k, v = random_qkv(rng, 90, 100, 4, 2, 64)
-    one, two = split_key_grads(mask, q, k, v, split)
+    one, two = split_key_grads(mask, q, k, v, split, packed=packed)
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         np.testing.assert_array_equal(a, b, err_msg=name)
 

@@ -391,20 +391,25 @@ def test_head_dim_256_deterministic_backward_is_refused_by_name():
         assert bool(jnp.isfinite(g.astype(jnp.float32)).all())
 
 
-@pytest.mark.parametrize("d, split, deterministic", [
-    (128, 256, False),   # split on the sm90 kernel's 128-key CTAs: both sources read and written in place
-    (64, 128, False),
-    (128, 200, False),   # not on a CTA boundary: the handler's concat fallback
-    (128, 256, True),    # deterministic: the concat fallback (the mma.sync dq kernel reads K, V)
-    (256, 192, False),   # head dim 256: 64-key CTAs
-    (256, 100, False),
+@pytest.mark.parametrize("d, split, deterministic, packed", [
+    (128, 256, False, False),   # split on the sm90 kernel's 128-key CTAs: both sources read and written in place
+    (64, 128, False, False),
+    (128, 200, False, False),   # not on a CTA boundary: the handler's concat fallback
+    (128, 256, True, False),    # deterministic: the concat fallback (the mma.sync dq kernel reads K, V)
+    (256, 192, False, False),   # head dim 256: 64-key CTAs
+    (256, 100, False, False),
+    (128, 256, False, True),    # packed second source (K, V and dK, dV side by side): maps at a row stride 2 Hkv D
+    (128, 0, False, True),      # every key the second source's: no first-source maps (a staged stage call)
+    (128, 200, False, True),    # packed through the concat fallback (strided copies in and out)
+    (128, 256, True, True),
+    (256, 192, False, True),
 ])
-def test_backward_with_two_key_sources_matches_one(d, split, deterministic):
+def test_backward_with_two_key_sources_matches_one(d, split, deterministic, packed):
     # The distributed backward's path (ffa._bwd_call with k2, v2) against the same keys in one array.
     rng = np.random.default_rng(d + split)
     mask = masks.varlen_causal([300, 250, 150])  # 700 keys: sources of 256 + 444 etc.
     q, k, v = random_qkv(rng, 700, 700, 4, 2, d, jnp.bfloat16)
-    one, two = split_key_grads(mask, q, k, v, split, deterministic)
+    one, two = split_key_grads(mask, q, k, v, split, deterministic, packed)
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
         assert rel < (1e-6 if deterministic else 1e-3), (name, rel)   # atomic dq: summation order only
