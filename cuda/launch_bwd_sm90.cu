@@ -35,8 +35,9 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
   // What TMA needs; anything else is left to the mma.sync kernel (nothing has been enqueued yet).
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
   const bool two = split.row >= 0;
-  if (encode == nullptr || p.slices.tq == 0 || !Aligned16(p.q) || !Aligned16(p.k) || !Aligned16(p.v) ||
-      !Aligned16(p.dout) || !Aligned16(p.dk) || !Aligned16(p.dv))
+  const bool first = !two || split.row > 0;  // keys in the first source (none: an empty k, whatever its pointer)
+  if (encode == nullptr || p.slices.tq == 0 || !Aligned16(p.q) || !Aligned16(p.dout) ||
+      (first && (!Aligned16(p.k) || !Aligned16(p.v) || !Aligned16(p.dk) || !Aligned16(p.dv))))
     return cudaErrorNotSupported;
   if (two && (split.row % Tile::kBlockN != 0 || split.row > p.slices.tk || !Aligned16(split.k2) ||
               !Aligned16(split.v2) || !Aligned16(split.dk2) || !Aligned16(split.dv2)))
@@ -48,7 +49,7 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
     return cudaErrorNotSupported;
   // The first source's maps; none when every key is the second source's (a staged distributed backward's
   // stage call: no CTA reads them).
-  if (tk > 0 && (!EncodeMap<T>(encode, &sp.k_map, p.k, tk, p.hkv, D, Tile::kBlockN) ||
+  if (first && (!EncodeMap<T>(encode, &sp.k_map, p.k, tk, p.hkv, D, Tile::kBlockN) ||
                  !EncodeMap<T>(encode, &sp.v_map, p.v, tk, p.hkv, D, Tile::kBlockN) ||
                  !EncodeMap<T>(encode, &sp.dk_map, p.dk, tk, p.hkv, D, Tile::kKeysPerWarpgroup) ||
                  !EncodeMap<T>(encode, &sp.dv_map, p.dv, tk, p.hkv, D, Tile::kKeysPerWarpgroup)))
