@@ -219,11 +219,15 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       // load runs under the current tile's mainloop (the producer is at most kStages steps ahead of it).
       if (lane == 0) {
         MbarWait(&bars.q_empty[qs.stage], qs.phase ^ 1);
-        MbarArriveExpectTx(&bars.q_full[qs.stage], Tile::kQBytes);
-        unsigned char* sq_stage = sq + qs.stage * Tile::kQBytes;
+        if (first.cur < 0) {
+          MbarArrive(&bars.q_full[qs.stage]);  // a tile without keys reads no Q: the phase completes bare
+        } else {
+          MbarArriveExpectTx(&bars.q_full[qs.stage], Tile::kQBytes);
+          unsigned char* sq_stage = sq + qs.stage * Tile::kQBytes;
 #pragma unroll
-        for (int c = 0; c < kChunks; ++c)
-          TmaLoad3d(sq_stage + c * (BM * 128), &p.q_map, &bars.q_full[qs.stage], 64 * c, h, int(r0));
+          for (int c = 0; c < kChunks; ++c)
+            TmaLoad3d(sq_stage + c * (BM * 128), &p.q_map, &bars.q_full[qs.stage], 64 * c, h, int(r0));
+        }
       }
       qs.Advance();
       for (FwdStep st = first; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, &st)) {
