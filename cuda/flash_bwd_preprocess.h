@@ -11,35 +11,52 @@ namespace magi_jax::cuda {
 
 constexpr int kElementwiseThreads = 256;
 
-// One group of D / 8 lanes per (row, head), 16-byte loads, a shuffle reduction inside the group. With
-// lse_delta_t (BwdParams) also the head-major copies of log2 lse and delta for the sm90 dK/dV kernel.
+// delta's (row, head) pairs per CTA and loop iteration: kDeltaUnroll groups of rows, all their loads issued
+// before the sums (a CTA per 16 rows with one load each ran at half the memory bandwidth).
+constexpr int kDeltaUnroll = 4;
+
+// One group of D / 8 lanes per (row, head), 16-byte loads, a shuffle reduction inside the group; a grid of
+// a few CTAs per SM strides over the rows. With lse_delta_t (BwdParams) also the head-major copies of log2
+// lse and delta for the sm90 dK/dV kernel.
 template <typename T, int D>
 __global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* out, const T* dout,
                                                                       const float* dlse, float* delta,
                                                                       int64_t rows, const float* lse,
                                                                       float* lse_delta_t, int hq, int64_t tq) {
-  constexpr int kLanes = D / 8, kRowsPerCta = kElementwiseThreads / kLanes;
-  const int64_t row = int64_t(blockIdx.x) * kRowsPerCta + threadIdx.x / kLanes;
+  constexpr int kLanes = D / 8, kRowsPerPass = kElementwiseThreads / kLanes;
+  constexpr int kRowsPerIter = kRowsPerPass * kDeltaUnroll;
   const int sub = threadIdx.x % kLanes;
-  float sum = 0.0f;
-  if (row < rows) {
-    const uint4 a = *reinterpret_cast<const uint4*>(out + row * D + sub * 8);
-    const uint4 b = *reinterpret_cast<const uint4*>(dout + row * D + sub * 8);
-    const T* x = reinterpret_cast<const T*>(&a);
-    const T* y = reinterpret_cast<const T*>(&b);
+  for (int64_t base = int64_t(blockIdx.x) * kRowsPerIter; base < rows; base += int64_t(gridDim.x) * kRowsPerIter) {
+    uint4 a[kDeltaUnroll], b[kDeltaUnroll];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum += Elem<T>::ToFloat(x[i]) * Elem<T>::ToFloat(y[i]);
-  }
+    for (int u = 0; u < kDeltaUnroll; ++u) {
+      const int64_t row = base + u * kRowsPerPass + threadIdx.x / kLanes;
+      a[u] = b[u] = make_uint4(0, 0, 0, 0);
+      if (row < rows) {
+        a[u] = *reinterpret_cast<const uint4*>(out + row * D + sub * 8);
+        b[u] = *reinterpret_cast<const uint4*>(dout + row * D + sub * 8);
+      }
+    }
 #pragma unroll
-  for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-  if (sub != 0 || row >= rows) return;
-  const float d = sum - dlse[row];
-  delta[row] = d;
-  if (lse_delta_t != nullptr) {
-    const int64_t t = row / hq, h = row - t * hq, at = h * HeadMajorRows(tq) + t;
-    const float l = lse[row];
-    lse_delta_t[at] = l == -INFINITY ? INFINITY : l * kLog2e;
-    lse_delta_t[int64_t(hq) * HeadMajorRows(tq) + at] = d;
+    for (int u = 0; u < kDeltaUnroll; ++u) {
+      const int64_t row = base + u * kRowsPerPass + threadIdx.x / kLanes;
+      const T* x = reinterpret_cast<const T*>(&a[u]);
+      const T* y = reinterpret_cast<const T*>(&b[u]);
+      float sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += Elem<T>::ToFloat(x[i]) * Elem<T>::ToFloat(y[i]);
+#pragma unroll
+      for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      if (sub != 0 || row >= rows) continue;
+      const float d = sum - dlse[row];
+      delta[row] = d;
+      if (lse_delta_t != nullptr) {
+        const int64_t t = row / hq, h = row - t * hq, at = h * HeadMajorRows(tq) + t;
+        const float l = lse[row];
+        lse_delta_t[at] = l == -INFINITY ? INFINITY : l * kLog2e;
+        lse_delta_t[int64_t(hq) * HeadMajorRows(tq) + at] = d;
+      }
+    }
   }
 }
 

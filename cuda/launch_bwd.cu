@@ -1,4 +1,6 @@
 // Backward launchers and their instantiations (bf16, fp16) x (D 64, 128); delta also for D 256.
+#include <algorithm>
+
 #include "flash_bwd_dkdv_kernel.h"
 #include "flash_bwd_dq_kernel.h"
 #include "flash_bwd_preprocess.h"
@@ -10,8 +12,14 @@ template <typename T, int D>
 cudaError_t LaunchBwdDelta(const BwdParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.slices.tq) * p.hq;
   if (rows == 0) return cudaSuccess;
-  constexpr int kRowsPerCta = kElementwiseThreads / (D / 8);
-  BwdDeltaKernel<T, D><<<(rows + kRowsPerCta - 1) / kRowsPerCta, kElementwiseThreads, 0, stream>>>(
+  constexpr int kRowsPerIter = kElementwiseThreads / (D / 8) * kDeltaUnroll;
+  int device = 0, sms = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
+    return err;
+  // ~60 registers a thread: 4 CTAs of 256 threads per SM at once; the grid strides over the rest.
+  const int64_t grid = std::min<int64_t>((rows + kRowsPerIter - 1) / kRowsPerIter, int64_t(sms) * 4);
+  BwdDeltaKernel<T, D><<<unsigned(grid), kElementwiseThreads, 0, stream>>>(
       static_cast<const T*>(p.out), static_cast<const T*>(p.dout), p.dlse, p.delta, rows, p.lse, p.lse_delta_t,
       p.hq, p.slices.tq);
   return cudaGetLastError();
