@@ -11,8 +11,8 @@ namespace magi_jax::cuda {
 
 constexpr int kElementwiseThreads = 256;
 
-// delta's (row, head) pairs per CTA and loop iteration: kDeltaUnroll groups of rows, all their loads issued
-// before the sums (a CTA per 16 rows with one load each ran at half the memory bandwidth).
+// Both kernels stride a grid of a few CTAs per SM over their rows, kDeltaUnroll groups per iteration with
+// all the group's loads issued first (a CTA per 16 rows with one load each ran at half the bandwidth).
 constexpr int kDeltaUnroll = 4;
 
 // One group of D / 8 lanes per (row, head), 16-byte loads, a shuffle reduction inside the group; a grid of
@@ -63,16 +63,29 @@ __global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* o
 // dq = T(dq_accum), 8 elements per thread (n is a multiple of 8).
 template <typename T>
 __global__ void __launch_bounds__(kElementwiseThreads) DqConvertKernel(const float* acc, T* dq, int64_t n) {
-  const int64_t i = (int64_t(blockIdx.x) * kElementwiseThreads + threadIdx.x) * 8;
-  if (i >= n) return;
-  const float4 a = *reinterpret_cast<const float4*>(acc + i);
-  const float4 b = *reinterpret_cast<const float4*>(acc + i + 4);
-  uint4 packed;
-  packed.x = Elem<T>::Pack(a.x, a.y);
-  packed.y = Elem<T>::Pack(a.z, a.w);
-  packed.z = Elem<T>::Pack(b.x, b.y);
-  packed.w = Elem<T>::Pack(b.z, b.w);
-  *reinterpret_cast<uint4*>(dq + i) = packed;
+  constexpr int64_t kPerPass = int64_t(kElementwiseThreads) * 8, kPerIter = kPerPass * kDeltaUnroll;
+  for (int64_t base = int64_t(blockIdx.x) * kPerIter; base < n; base += int64_t(gridDim.x) * kPerIter) {
+    float4 a[kDeltaUnroll][2];
+#pragma unroll
+    for (int u = 0; u < kDeltaUnroll; ++u) {
+      const int64_t i = base + u * kPerPass + threadIdx.x * 8;
+      if (i < n) {
+        a[u][0] = *reinterpret_cast<const float4*>(acc + i);
+        a[u][1] = *reinterpret_cast<const float4*>(acc + i + 4);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kDeltaUnroll; ++u) {
+      const int64_t i = base + u * kPerPass + threadIdx.x * 8;
+      if (i >= n) continue;
+      uint4 packed;
+      packed.x = Elem<T>::Pack(a[u][0].x, a[u][0].y);
+      packed.y = Elem<T>::Pack(a[u][0].z, a[u][0].w);
+      packed.z = Elem<T>::Pack(a[u][1].x, a[u][1].y);
+      packed.w = Elem<T>::Pack(a[u][1].z, a[u][1].w);
+      *reinterpret_cast<uint4*>(dq + i) = packed;
+    }
+  }
 }
 
 }  // namespace magi_jax::cuda

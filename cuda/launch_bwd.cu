@@ -8,18 +8,29 @@
 
 namespace magi_jax::cuda {
 
+namespace {
+
+// The strided grid of the memory-bound kernels (flash_bwd_preprocess.h): ~60 registers a thread, so 4 CTAs
+// of 256 threads per SM at once; never more CTAs than there are iterations.
+cudaError_t StridedGrid(int64_t iterations, unsigned* grid) {
+  int device = 0, sms = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
+    return err;
+  *grid = unsigned(std::min<int64_t>(iterations, int64_t(sms) * 4));
+  return cudaSuccess;
+}
+
+}  // namespace
+
 template <typename T, int D>
 cudaError_t LaunchBwdDelta(const BwdParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.slices.tq) * p.hq;
   if (rows == 0) return cudaSuccess;
   constexpr int kRowsPerIter = kElementwiseThreads / (D / 8) * kDeltaUnroll;
-  int device = 0, sms = 0;
-  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
-    return err;
-  // ~60 registers a thread: 4 CTAs of 256 threads per SM at once; the grid strides over the rest.
-  const int64_t grid = std::min<int64_t>((rows + kRowsPerIter - 1) / kRowsPerIter, int64_t(sms) * 4);
-  BwdDeltaKernel<T, D><<<unsigned(grid), kElementwiseThreads, 0, stream>>>(
+  unsigned grid = 0;
+  if (cudaError_t err = StridedGrid((rows + kRowsPerIter - 1) / kRowsPerIter, &grid); err != cudaSuccess) return err;
+  BwdDeltaKernel<T, D><<<grid, kElementwiseThreads, 0, stream>>>(
       static_cast<const T*>(p.out), static_cast<const T*>(p.dout), p.dlse, p.delta, rows, p.lse, p.lse_delta_t,
       p.hq, p.slices.tq);
   return cudaGetLastError();
@@ -54,8 +65,10 @@ cudaError_t LaunchBwdDq(const BwdParams& p, cudaStream_t stream) {
 template <typename T>
 cudaError_t LaunchDqConvert(const float* acc, T* dq, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const int64_t per_cta = int64_t(kElementwiseThreads) * 8;
-  DqConvertKernel<T><<<(n + per_cta - 1) / per_cta, kElementwiseThreads, 0, stream>>>(acc, dq, n);
+  const int64_t per_iter = int64_t(kElementwiseThreads) * 8 * kDeltaUnroll;
+  unsigned grid = 0;
+  if (cudaError_t err = StridedGrid((n + per_iter - 1) / per_iter, &grid); err != cudaSuccess) return err;
+  DqConvertKernel<T><<<grid, kElementwiseThreads, 0, stream>>>(acc, dq, n);
   return cudaGetLastError();
 }
 
