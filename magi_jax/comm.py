@@ -7,7 +7,8 @@ never ``ragged_all_to_all`` (100x slower on NVLinked H200s, PEERS.md). Packing t
 the returned partials are one FFI kernel each (``range_gather``; ``range_scatter_add``, from zero or in place
 into an init, touching only the rows that were sent); received data is not unpacked at all: the kernels that
 consume it index the transport's receive buffer directly (``CastTables.remap_keys`` rewrites slice key
-ranges into it).
+ranges into it). With ``packed`` several arrays (K and V; dK and dV) share one buffer [S, n, ...], row by row:
+one collective moves them all (XLA keeps one collective in flight by default, so separate ones serialise).
 
 Layouts, for one stage on every rank (``S = CastTables.buffer_len``, the same for send and receive):
 
