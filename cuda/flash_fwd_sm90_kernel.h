@@ -392,8 +392,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       return true;
     };
 
-    // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the first S and the last PV
-    // of a tile are a batch each. Same count in both warpgroups.
+    // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the last PV of a tile is a
+    // batch with the next tile's S(0) (kNextSInLastTurn), or alone, and a tile's first S a batch of its own
+    // when not issued so. Same count in both warpgroups (they see the same tiles).
     //
     // Step j (FA3's intra-warpgroup overlap, its order): wait K(j), V(j-1); take the turn; issue S(j);
     // O *= alpha(j-1) while S(j) runs; issue O += P(j-1) V(j-1); hand the turn over; wait for S(j) (PV(j-1)
