@@ -37,16 +37,6 @@ template <typename T, int D>
 cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream,
                               const KeySplit& split = KeySplit{});
 
-// MAGI_JAX_SM90_SCHED, for measuring the schedulers' share (tile_order.cu): "lpt" (default: longest first,
-// the forward persistent), "natural" (the forward persistent with q blocks last-first), "grid" (the forward
-// one CTA per tile, last-first, not persistent). The backward has one order (k blocks in key order).
-enum class Sm90Sched { kLpt, kNatural, kGrid };
-Sm90Sched Sm90SchedFromEnv();
-
-// order = blocks 0..num_blocks-1 by decreasing work[] (tile_order.cu), or last to first with last_first.
-cudaError_t LaunchOrderByWork(const int32_t* work, int num_blocks, bool last_first, int32_t* order,
-                              cudaStream_t stream);
-
 template <typename T>
 cudaError_t LaunchDqConvert(const float* acc, T* dq, int64_t n, cudaStream_t stream);
 

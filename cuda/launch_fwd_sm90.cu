@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "flash_fwd_sm90_kernel.h"
@@ -34,6 +35,62 @@ __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args,
   }
 }
 
+
+// order = q blocks by decreasing work: a counting sort over kBuckets buckets (work clamped) in one CTA; ties
+// in any order (that changes when a block runs, never its result). With `last_first`, no sort: q blocks
+// last to first (work is not read).
+constexpr int kOrderThreads = 1024;
+constexpr int kBuckets = 4096;
+
+__global__ void __launch_bounds__(kOrderThreads) FwdOrderKernel(const int32_t* work, int num_blocks,
+                                                                   bool last_first, int32_t* order) {
+  __shared__ int count[kBuckets];
+  __shared__ int partial[kOrderThreads];
+  constexpr int kPer = kBuckets / kOrderThreads;
+  const int tid = threadIdx.x;
+  if (last_first) {
+    for (int x = tid; x < num_blocks; x += kOrderThreads) order[x] = num_blocks - 1 - x;
+    return;
+  }
+  for (int b = tid; b < kBuckets; b += kOrderThreads) count[b] = 0;
+  __syncthreads();
+  // Bucket kBuckets - 1 - min(work, kBuckets - 1): the largest work lands first.
+  for (int x = tid; x < num_blocks; x += kOrderThreads)
+    atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1);
+  __syncthreads();
+  // Exclusive scan of count: each thread sums kPer consecutive buckets, a Hillis-Steele scan of the sums.
+  int local = 0;
+  for (int i = 0; i < kPer; ++i) local += count[tid * kPer + i];
+  partial[tid] = local;
+  __syncthreads();
+  for (int stride = 1; stride < kOrderThreads; stride *= 2) {
+    const int add = tid >= stride ? partial[tid - stride] : 0;
+    __syncthreads();
+    partial[tid] += add;
+    __syncthreads();
+  }
+  int run = partial[tid] - local;
+  for (int i = 0; i < kPer; ++i) {
+    const int c = count[tid * kPer + i];
+    count[tid * kPer + i] = run;
+    run += c;
+  }
+  __syncthreads();
+  for (int x = tid; x < num_blocks; x += kOrderThreads)
+    order[atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1)] = x;
+}
+
+// MAGI_JAX_SM90_SCHED, for measuring the scheduler's share (bench/kernel.py ffa_natural, ffa_grid): "lpt"
+// (default: persistent, longest first), "natural" (persistent, q blocks last-first), "grid" (one CTA per
+// tile, last-first: not persistent).
+enum class Sched { kLpt, kNatural, kGrid };
+Sched SchedFromEnv() {
+  const char* env = std::getenv("MAGI_JAX_SM90_SCHED");
+  if (env == nullptr) return Sched::kLpt;
+  if (std::strcmp(env, "natural") == 0) return Sched::kNatural;
+  if (std::strcmp(env, "grid") == 0) return Sched::kGrid;
+  return Sched::kLpt;
+}
 
 // Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V, all tk keys of them, fill at
 // most half of L2 (MAGI_JAX_SM90_L2_BYTES overrides that budget, for tests and measurements); at least one
@@ -91,15 +148,15 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   int32_t* counter = scratch + 4;
   int32_t* work = counter + 1;
   int32_t* order = work + num_blocks;
-  const Sm90Sched sched = Sm90SchedFromEnv();
+  const Sched sched = SchedFromEnv();
   if (cudaError_t err = cudaMemsetAsync(scratch, 0, 5 * sizeof(int32_t), stream); err != cudaSuccess) return err;
-  if (sched == Sm90Sched::kLpt) {
+  if (sched == Sched::kLpt) {
     FwdWorkKernel<Tile::kBlockN><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
         p.slices, p.lists, num_blocks, work, stats);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
-  if (cudaError_t err = LaunchOrderByWork(work, num_blocks, sched != Sm90Sched::kLpt, order, stream); err != cudaSuccess)
-    return err;
+  FwdOrderKernel<<<1, kOrderThreads, 0, stream>>>(work, num_blocks, sched != Sched::kLpt, order);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
 
   sp.base = p;
   sp.order = order;
@@ -114,7 +171,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   // A persistent CTA holds its SM to the end: the SMs it must leave to a collective running beside it are
   // left out of the grid (at least one CTA stays).
   const int ctas = std::max(1, sms - p.sm_margin);
-  const int grid = sp.num_tiles < ctas || sched == Sm90Sched::kGrid ? sp.num_tiles : ctas;
+  const int grid = sp.num_tiles < ctas || sched == Sched::kGrid ? sp.num_tiles : ctas;
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
   return cudaGetLastError();
 }

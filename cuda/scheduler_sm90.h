@@ -12,7 +12,7 @@
 // CTA: LPT over those heads, the L2 locality of the sections kept for the rest.
 // `order` lists the q blocks by decreasing work, work being the number
 // of key tiles the block's slices visit (plus one for the epilogue), built on the device from the q-block
-// slice lists by two small kernels: FwdWorkKernel (a warp per q block) and LaunchOrderByWork's (one CTA, a counting
+// slice lists by two small kernels: FwdWorkKernel (a warp per q block) and FwdOrderKernel (one CTA, a counting
 // sort into kBuckets buckets; ties in any order, which changes when a tile runs, never its result).
 // The grid is one CTA per SM; CTA b starts with tile b and then takes gridDim.x + atomicAdd(counter, 1):
 // greedy longest-processing-time-first, the classic 4/3-approximation of the optimal makespan.
