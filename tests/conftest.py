@@ -68,12 +68,26 @@ def check_against_reference(attn_fn, mask: AttnMask, q, k, v, rng: np.random.Gen
             assert_within_rule(name, g, r, l)
 
 
+def _kernel_args(mask: AttnMask, q):
+    """The mask's kernel arguments (q_ranges, k_ranges, types) and the default softmax scale."""
+    return tuple(jnp.asarray(a) for a in mask.kernel_args()), q.shape[-1] ** -0.5
+
+
+def _two_forward_calls(q, k, v, args, scale, cut: int, kv=None):
+    """The distributed forward's two calls: slices [:cut] on k, v, then slices [cut:] merging into that
+    call's out and lse (ffa._fwd_call's prev); kv given: the second call reads K and V packed from it."""
+    from magi_jax import ffa
+    qr, kr, types = args
+    first = ffa._fwd_call(q, k, v, qr[:cut], kr[:cut], types[:cut], scale, 0.0)
+    kk, vv = (k, v) if kv is None else (kv, None)
+    return ffa._fwd_call(q, kk, vv, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
+
+
 def _backward_inputs(mask: AttnMask, q, k, v, seed: int):
     """The mask's kernel arguments, the softmax scale, and a backward's inputs: the forward's out and lse,
     fresh random cotangents dout, dlse."""
     from magi_jax import ffa
-    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
-    scale = q.shape[-1] ** -0.5
+    (qr, kr, types), scale = _kernel_args(mask, q)
     out, lse = ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0)
     rng = np.random.default_rng(seed)
     dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
@@ -110,16 +124,10 @@ def merged_forward(mask: AttnMask, q, k, v, cut: int):
     merging into the first call's out and lse (ffa._fwd_call's prev, as the distributed forward's stage
     calls do). Returns ((out, lse) of one call, (out, lse) of the two), float32 numpy."""
     from magi_jax import ffa
-    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
-    scale = q.shape[-1] ** -0.5
-    one = jax.jit(lambda q, k, v: ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0))(q, k, v)
-
-    def two(q, k, v):
-        first = ffa._fwd_call(q, k, v, qr[:cut], kr[:cut], types[:cut], scale, 0.0)
-        return ffa._fwd_call(q, k, v, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
-
-    return ([np.asarray(x, np.float32) for x in one],
-            [np.asarray(x, np.float32) for x in jax.jit(two)(q, k, v)])
+    args, scale = _kernel_args(mask, q)
+    one = jax.jit(lambda q, k, v: ffa._fwd_call(q, k, v, *args, scale, 0.0))(q, k, v)
+    two = jax.jit(lambda q, k, v: _two_forward_calls(q, k, v, args, scale, cut))(q, k, v)
+    return [np.asarray(x, np.float32) for x in one], [np.asarray(x, np.float32) for x in two]
 
 
 def packed_kv_forward(mask: AttnMask, q, k, v, cut: int):
@@ -127,18 +135,9 @@ def packed_kv_forward(mask: AttnMask, q, k, v, cut: int):
     them, run twice: the second call on separate k, v, and on K and V packed side by side per row ([Tk, 2,
     Hkv, D], as a group collective's receive buffer holds them; ffa._fwd_call with v None). Returns
     ((out, lse) separate, (out, lse) packed), numpy in the calls' dtypes."""
-    from magi_jax import ffa
-    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
-    scale = q.shape[-1] ** -0.5
-
-    def two(q, k, v, kv):
-        first = ffa._fwd_call(q, k, v, qr[:cut], kr[:cut], types[:cut], scale, 0.0)
-        if kv is None:
-            return ffa._fwd_call(q, k, v, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
-        return ffa._fwd_call(q, kv, None, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
-
-    separate = jax.jit(lambda q, k, v: two(q, k, v, None))(q, k, v)
-    packed = jax.jit(lambda q, k, v: two(q, k, v, jnp.stack([k, v], axis=1)))(q, k, v)
+    args, scale = _kernel_args(mask, q)
+    separate = jax.jit(lambda q, k, v: _two_forward_calls(q, k, v, args, scale, cut))(q, k, v)
+    packed = jax.jit(lambda q, k, v: _two_forward_calls(q, k, v, args, scale, cut, jnp.stack([k, v], axis=1)))(q, k, v)
     return [np.asarray(x) for x in separate], [np.asarray(x) for x in packed]
 
 

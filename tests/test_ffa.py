@@ -261,14 +261,16 @@ def test_backward_chained_over_slice_sets_equals_one_call():
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+# Two forward calls over slices [:2] and [2:]: rows 0-9 have keys only in the first, 90-99 in none.
+TWO_CALL_MASK = AttnMask([[0, 40], [10, 70], [50, 90], [10, 90]], [[0, 60], [60, 80], [80, 100], [100, 120]],
+                         [1, 0, 3, 0], 100, 120)
+
+
 def test_forward_merged_into_a_previous_call_equals_one_call():
     # The distributed forward's stage calls: each merges its slices' part into the out and lse so far, in
-    # place. Rows 0-9 have keys only in the first call, 90-99 in none (0 / -inf, no NaN).
-    rng = np.random.default_rng(4)
-    mask = AttnMask([[0, 40], [10, 70], [50, 90], [10, 90]], [[0, 60], [60, 80], [80, 100], [100, 120]],
-                    [1, 0, 3, 0], 100, 120)
-    q, k, v = random_qkv(rng, 100, 120, 4, 2, 64)
-    one, two = merged_forward(mask, q, k, v, cut=2)
+    # place. Rows without keys in either call: 0 / -inf, no NaN.
+    q, k, v = random_qkv(np.random.default_rng(4), 100, 120, 4, 2, 64)
+    one, two = merged_forward(TWO_CALL_MASK, q, k, v, cut=2)
     for name, a, b in zip(["out", "lse"], one, two):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
     assert np.all(two[1][90:] == -np.inf) and np.all(two[0][90:] == 0)
@@ -276,15 +278,12 @@ def test_forward_merged_into_a_previous_call_equals_one_call():
 
 def test_forward_with_k_and_v_packed_equals_separate_ones():
     # A stage call of the distributed forward reads the receive buffer as is: K and V side by side per row.
-    rng = np.random.default_rng(6)
-    mask = AttnMask([[0, 40], [10, 70], [50, 90], [10, 90]], [[0, 60], [60, 80], [80, 100], [100, 120]],
-                    [1, 0, 3, 0], 100, 120)
-    q, k, v = random_qkv(rng, 100, 120, 4, 2, 64)
-    separate, packed = packed_kv_forward(mask, q, k, v, cut=2)
+    q, k, v = random_qkv(np.random.default_rng(6), 100, 120, 4, 2, 64)
+    separate, packed = packed_kv_forward(TWO_CALL_MASK, q, k, v, cut=2)
     for a, b in zip(separate, packed):
         np.testing.assert_array_equal(a, b)
     from magi_jax import ffa
-    qr, kr, t = (jnp.asarray(a) for a in mask.kernel_args())
+    qr, kr, t = (jnp.asarray(a) for a in TWO_CALL_MASK.kernel_args())
     with pytest.raises(ValueError, match="^k: packed K and V must be"):
         ffa._fwd_call(q, k, None, qr, kr, t, 0.125, 0.0)
 

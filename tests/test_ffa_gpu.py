@@ -428,13 +428,17 @@ def test_backward_chained_dq_matches_one_call(d):
         assert rel < 1e-2, (name, rel)   # dk, dv: two bf16 partials added; dq: the atomics' order only
 
 
+def two_call_case(d: int, seed: int):
+    """Three documents for two forward calls over slices [:2] and [2:] (the second has empty q blocks)."""
+    mask = masks.varlen_causal([300, 250, 150])
+    return mask, random_qkv(np.random.default_rng(seed), 700, 700, 4, 2, d, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
     # A distributed stage call reads the receive buffer as is, K and V side by side per row (the sm90 maps
     # and the mma.sync loads at a row stride of 2 Hkv D): the same kernel on the same values.
-    rng = np.random.default_rng(d + 2)
-    mask = masks.varlen_causal([300, 250, 150])
-    q, k, v = random_qkv(rng, 700, 700, 4, 2, d, jnp.bfloat16)
+    mask, (q, k, v) = two_call_case(d, seed=d + 2)
     separate, packed = packed_kv_forward(mask, q, k, v, cut=2)
     for a, b in zip(separate, packed):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
@@ -444,9 +448,7 @@ def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
 def test_forward_merged_into_a_previous_call_matches_one_call(d):
     # The distributed forward's stage calls: the kernel merges its part into the out and lse so far, in place
     # (this file runs on the default sm90 kernels, tests/test_ffa_mma_gpu.py on mma.sync).
-    rng = np.random.default_rng(d + 1)
-    mask = masks.varlen_causal([300, 250, 150])
-    q, k, v = random_qkv(rng, 700, 700, 4, 2, d, jnp.bfloat16)
+    mask, (q, k, v) = two_call_case(d, seed=d + 1)
     one, two = merged_forward(mask, q, k, v, cut=2)
     for name, a, b in zip(["out", "lse"], one, two):
         rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
