@@ -250,6 +250,15 @@ def test_backward_with_two_key_sources_equals_one(split, packed):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def test_backward_packed_second_source_shape_error_names_k2():
+    from magi_jax import ffa
+    q, k, v = random_qkv(np.random.default_rng(8), 90, 100, 4, 2, 64)
+    lse = jnp.zeros(q.shape[:2], jnp.float32)
+    qr, kr, t = (jnp.asarray(a) for a in OK_RANGES.values())
+    with pytest.raises(ValueError, match=r"^k2: packed K and V must be \[Tk2, 2, 2, 64\]"):
+        ffa._bwd_call(q, k, v, q, q, lse, lse, qr, kr, t, 0.125, 0.0, False, k2=k[:10])
+
+
 def test_backward_chained_over_slice_sets_equals_one_call():
     # The staged distributed backward: calls over disjoint slice sets, dQ summed in one float32 accumulator.
     rng = np.random.default_rng(3)
