@@ -16,13 +16,11 @@ constexpr int kElementwiseThreads = 256;
 constexpr int kDeltaUnroll = 4;
 
 // One group of D / 8 lanes per (row, head), 16-byte loads, a shuffle reduction inside the group; a grid of
-// a few CTAs per SM strides over the rows. With lse_delta_t (BwdParams) also the head-major copies of log2
-// lse and delta for the sm90 dK/dV kernel.
+// a few CTAs per SM strides over the rows.
 template <typename T, int D>
 __global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* out, const T* dout,
                                                                       const float* dlse, float* delta,
-                                                                      int64_t rows, const float* lse,
-                                                                      float* lse_delta_t, int hq, int64_t tq) {
+                                                                      int64_t rows) {
   constexpr int kLanes = D / 8, kRowsPerPass = kElementwiseThreads / kLanes;
   constexpr int kRowsPerIter = kRowsPerPass * kDeltaUnroll;
   const int sub = threadIdx.x % kLanes;
@@ -48,14 +46,7 @@ __global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* o
 #pragma unroll
       for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
       if (sub != 0 || row >= rows) continue;
-      const float d = sum - dlse[row];
-      delta[row] = d;
-      if (lse_delta_t != nullptr) {
-        const int64_t t = row / hq, h = row - t * hq, at = h * HeadMajorRows(tq) + t;
-        const float l = lse[row];
-        lse_delta_t[at] = l == -INFINITY ? INFINITY : l * kLog2e;
-        lse_delta_t[int64_t(hq) * HeadMajorRows(tq) + at] = d;
-      }
+      delta[row] = sum - dlse[row];
     }
   }
 }

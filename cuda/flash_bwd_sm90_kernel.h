@@ -4,9 +4,9 @@
 // of the k block's list, every q head of the GQA group, every row tile of 64 rows attending the keys.
 // Only the producer walks; it hands each step (first row, q head, the slice) to the consumers in shared
 // memory (BwdSm90Step), and ends the walk with one row_full phase without data (kStepEnd).
-//   producer warp:  K, V once -> kv_full; per step, after row_empty[stage]: Q, dO and the rows' lse (log2
-//                   units, +inf for empty rows) and delta (head-major copies the preprocess wrote) by TMA
-//                   -> row_full[stage], the step by plain stores, and the arrival on row_full[stage]
+//   producer warp:  K, V once -> kv_full; per step, after row_empty[stage]: Q, dO by TMA -> row_full[stage],
+//                   then lse (log2 units, +inf for empty rows), delta and the step by plain stores, and the
+//                   arrival on row_full[stage]
 //   consumer wg w:  keys [64 w, 64 w + 64) of the block (wgmma M = 64); per step
 //                   S^T = K Q^T, dP^T = V dO^T (SS, both K-major, N = 64 rows),
 //                   P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - delta) (exact mask per cell unless the
@@ -52,7 +52,6 @@ struct BwdSm90Params {
   // [0, Tk - split_row) of k2, v2 and their gradients go to dk2, dv2. split_row is a multiple of kBlockN
   // (a CTA's keys come from one source); INT_MAX without a second source.
   CUtensorMap k2_map, v2_map, dk2_map, dv2_map;
-  CUtensorMap lse_delta_map;    // BwdParams::lse_delta_t as (Tq, Hq, 2), boxes (kBlockM, 1, 2)
   int split_row;
   BwdParams base;
 };
@@ -247,7 +246,8 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   unsigned char* sv = smem + Tile::kVOffset;
   unsigned char* sq = smem + Tile::kQOffset;
   unsigned char* sdo = smem + Tile::kDoOffset;
-  const float* slse = reinterpret_cast<const float*>(smem + Tile::kLseOffset);  // [stage][lse, delta][BM]
+  const float* slse = reinterpret_cast<const float*>(smem + Tile::kLseOffset);
+  const float* sdelta = reinterpret_cast<const float*>(smem + Tile::kDeltaOffset);
   unsigned char* sp = smem + Tile::kDsOffset;                    // P^T [64 keys][64 rows]
   unsigned char* sds = smem + Tile::kDsOffset + Tile::kDsBytes;  // dS^T [64 keys][64 rows]
   unsigned char* dq_buf = smem + Tile::kDqOffset + cw * Tile::kDqBytes;
@@ -304,8 +304,8 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       IssueKMajorSS<T, kHalfM, D, BN, BM>(dp[0], desc_v, ddo_k);
     }
     const int row0 = cw * kHalfM;  // the warpgroup's first row of the step's 64
-    const float* lse_s = slse + ps.stage * 2 * BM + row0;
-    const float* delta_s = lse_s + BM;
+    const float* lse_s = slse + ps.stage * BM + row0;
+    const float* delta_s = sdelta + ps.stage * BM + row0;
     WgmmaWait<1>();  // S^T has landed, dP^T still runs
     FenceRegs(s[0]);
     if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
@@ -419,7 +419,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   unsigned char* sv = smem + Tile::kVOffset;
   unsigned char* sq = smem + Tile::kQOffset;
   unsigned char* sdo = smem + Tile::kDoOffset;
-  float* slse = reinterpret_cast<float*>(smem + Tile::kLseOffset);  // [stage][lse, delta][BM]
+  float* slse = reinterpret_cast<float*>(smem + Tile::kLseOffset);
+  float* sdelta = reinterpret_cast<float*>(smem + Tile::kDeltaOffset);
   unsigned char* sds = smem + Tile::kDsOffset;
   unsigned char* sdq = smem + Tile::kDqOffset;
   auto& bars = *reinterpret_cast<BwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
@@ -448,7 +449,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     if (lane == 0) {
       PrefetchTensorMap(&p.q_map);
       PrefetchTensorMap(&p.do_map);
-      PrefetchTensorMap(&p.lse_delta_map);
       const KeySource src = CtaKeySource(p, c0);
       MbarArriveExpectTx(&bars.kv_full, 2 * Tile::kKvBytes);
 #pragma unroll
@@ -457,6 +457,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
         TmaLoad3d(sv + c * (BN * 128), src.v, &bars.kv_full, 64 * c, hk, src.row);
       }
     }
+    const int tq = args.tq, hq = bp.hq;
     PipeState<kStages> ps;
     const SliceWalk walk(args, bp.k_lists, kb / (kKBlock / BN));  // kSplitD: two CTAs per k block's list
     KvStep st;
@@ -465,9 +466,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       const int h = hk * group + st.head;
       if (lane == 0) {
         MbarWait(&bars.row_empty[ps.stage], ps.phase ^ 1);
-        // Q, dO and the rows' lse and delta (head-major, one box; rows past Tq read as 0, which the mask makes
-        // harmless: those rows are no slice's); lane 0's arrival after the step record completes the phase.
-        MbarExpectTx(&bars.row_full[ps.stage], 2 * Tile::kRowBytes + 2 * BM * 4);
+        // Q and dO first: their transfer overlaps the lse / delta loads below (one float per row, stride Hq,
+        // a memory latency per step); lane 0's arrival after those stores completes the phase.
+        MbarExpectTx(&bars.row_full[ps.stage], 2 * Tile::kRowBytes);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
           TmaLoad3d(sq + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.q_map, &bars.row_full[ps.stage], 64 * c, h,
@@ -475,9 +476,20 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
           TmaLoad3d(sdo + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.do_map, &bars.row_full[ps.stage], 64 * c,
                     h, int(st.rb));
         }
-        TmaLoad3d(slse + ps.stage * 2 * BM, &p.lse_delta_map, &bars.row_full[ps.stage], int(st.rb), h, 0);
       }
-      __syncwarp();  // the stage is free (lane 0's wait) before lanes 0 and 1 write its step record
+      __syncwarp();
+#pragma unroll
+      for (int i = lane; i < BM; i += 32) {
+        const int64_t row = st.rb + i;
+        float l2 = INFINITY, dl = 0.0f;
+        if (row < tq) {
+          const float l = bp.lse[row * hq + h];
+          l2 = l == -INFINITY ? INFINITY : l * kLog2e;
+          dl = bp.delta[row * hq + h];
+        }
+        slse[ps.stage * BM + i] = l2;
+        sdelta[ps.stage * BM + i] = dl;
+      }
       if (lane < 2) {  // lane 0: (rb, head, flags, type), lane 1: the slice
         const bool l0 = lane == 0;
         asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SmemAddr(&steps[ps.stage]) + 16 * lane),
@@ -614,8 +626,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       WgmmaFence();
       IssueKMajorSS<T, 64, D, BN, BM>(dp[0], da, ddo_k);
     }
-    const float* lse_s = slse + ps.stage * 2 * BM;
-    const float* delta_s = lse_s + BM;
+    const float* lse_s = slse + ps.stage * BM;
+    const float* delta_s = sdelta + ps.stage * BM;
     // Pending: S, dP. wait<1>: S^T has landed; P^T = exp2(S^T scale - lse) while dP^T runs (with softcap the
     // exponentials wait for dP^T: dS^T needs the capped score as well as P^T, 32 more live registers).
     WgmmaWait<1>();

@@ -279,10 +279,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
   const size_t accum_elems = deterministic ? 0 : size_t(rows) * size_t(dims->d);
   // Chained (dq_f32): the accumulator is dq itself, holding dq_in at the start; else scratch, from zero.
-  // sm90: the head-major lse / delta of its dK/dV kernel (BwdParams::lse_delta_t).
-  const int64_t lse_delta_elems = sm90 ? 2 * dims->hq * HeadMajorRows(dims->tq) : 0;
   const size_t bytes = Carver::Round(rows * 4) + k_sizes.Bytes() + (deterministic ? q_sizes.Bytes() : 0) +
-                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4)) + Carver::Round(lse_delta_elems * 4);
+                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4));
   auto carver_or = Carver::Allocate(scratch, bytes);
   if (!carver_or.has_value())
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the backward");
@@ -305,7 +303,6 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.scale = softmax_scale;
   p.softcap = softcap;
   p.delta = carver.Take<float>(rows);
-  p.lse_delta_t = sm90 ? carver.Take<float>(lse_delta_elems) : nullptr;
   int64_t* k_offsets;
   int32_t* k_ids;
   p.k_lists = TakeLists(carver, k_sizes, kAxisK, kKBlock, &k_offsets, &k_ids);

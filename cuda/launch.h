@@ -10,7 +10,7 @@ namespace magi_jax::cuda {
 template <typename T, int D>
 cudaError_t LaunchFwd(const FwdParams& p, cudaStream_t stream);
 
-// delta = rowsum(dout * out) - dlse over [Tq, Hq] (and p.lse_delta_t when set).
+// delta = rowsum(dout * out) - dlse over [Tq, Hq].
 template <typename T, int D>
 cudaError_t LaunchBwdDelta(const BwdParams& p, cudaStream_t stream);
 

@@ -31,8 +31,7 @@ cudaError_t LaunchBwdDelta(const BwdParams& p, cudaStream_t stream) {
   unsigned grid = 0;
   if (cudaError_t err = StridedGrid((rows + kRowsPerIter - 1) / kRowsPerIter, &grid); err != cudaSuccess) return err;
   BwdDeltaKernel<T, D><<<grid, kElementwiseThreads, 0, stream>>>(
-      static_cast<const T*>(p.out), static_cast<const T*>(p.dout), p.dlse, p.delta, rows, p.lse, p.lse_delta_t,
-      p.hq, p.slices.tq);
+      static_cast<const T*>(p.out), static_cast<const T*>(p.dout), p.dlse, p.delta, rows);
   return cudaGetLastError();
 }
 

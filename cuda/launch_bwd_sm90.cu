@@ -64,8 +64,6 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
       return cudaErrorNotSupported;
     sp.split_row = tk;
   }
-  if (p.lse_delta_t == nullptr || !EncodeLseDeltaMap(encode, &sp.lse_delta_map, p.lse_delta_t, tq, p.hq, Tile::kBlockM))
-    return cudaErrorNotSupported;
   if (reduce_dq && (!Aligned16(p.dq_accum) || !EncodeDqAccumMap(encode, &sp.dq_map, p.dq_accum, tq, p.hq, D,
                                                                  Tile::kDqBoxCols, Tile::kBlockM)))
     return cudaErrorNotSupported;

@@ -51,17 +51,11 @@ struct KeySplit {
   int row_heads = 0;
 };
 
-// Rows of BwdParams::lse_delta_t per head: Tq rounded up to 4 (TMA strides are multiples of 16 bytes).
-__host__ __device__ inline int64_t HeadMajorRows(int64_t tq) { return (tq + 3) / 4 * 4; }
-
 struct BwdParams {
   const void *q, *k, *v, *out, *dout;
   const float *lse, *dlse;
   void *dq, *dk, *dv;
   float* delta;     // [Tq, Hq]: rowsum(dout * out) - dlse
-  // [2][Hq][HeadMajorRows(Tq)]: lse in log2 units (+inf on rows without keys) and delta, head-major, for
-  // the sm90 dK/dV kernel (whose producer loads a step's 64 rows of both with one TMA box); null: not written.
-  float* lse_delta_t;
   float* dq_accum;  // [Tq, Hq, D] fp32, scaled, for the atomic path; null on the deterministic one
   SliceArgs slices;
   BlockLists q_lists;  // q blocks (deterministic dq kernel)

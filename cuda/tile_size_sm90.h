@@ -136,8 +136,8 @@ struct BwdSm90Tile {
   static constexpr uint32_t kVOffset = kKOffset + kKvBytes;
   static constexpr uint32_t kQOffset = kVOffset + kKvBytes;
   static constexpr uint32_t kDoOffset = kQOffset + kStages * kRowBytes;
-  // float [kStages][2][kBlockM]: a stage's lse (log2 units) then delta rows, one TMA box (EncodeLseDeltaMap)
-  static constexpr uint32_t kLseOffset = kDoOffset + kStages * kRowBytes;
+  static constexpr uint32_t kLseOffset = kDoOffset + kStages * kRowBytes;  // float [kStages][kBlockM] lse (log2)
+  static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr uint32_t kDsOffset = kLseOffset + 1024;  // [2] dS^T buffers (double-buffered)
   // dQ staging, one per consumer warpgroup: its 64 rows x 64 columns of fp32 dQ as the box of the dq_accum
   // tensor map (32 columns, 2 column chunks, 1 head, 64 rows: 128-byte lines ordered (row, chunk)) in the

@@ -12,8 +12,6 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "params.h"
-
 namespace magi_jax::cuda {
 
 inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
@@ -45,20 +43,6 @@ inline bool EncodeMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map
   return encode(map, kTmaType<T>, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-// BwdParams::lse_delta_t, float [2][h][HeadMajorRows(t)], as (t, h, 2) in boxes of (box_rows, 1, 2): a step's
-// lse then delta rows, no swizzle; zeros past row t.
-inline bool EncodeLseDeltaMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const float* base,
-                              int64_t t, int h, int box_rows) {
-  const cuuint64_t rows = cuuint64_t(HeadMajorRows(t));
-  const cuuint64_t dims[3] = {cuuint64_t(t), cuuint64_t(h), 2};
-  const cuuint64_t strides[2] = {rows * 4, cuuint64_t(h) * rows * 4};  // bytes, dims 1 and 2
-  const cuuint32_t box[3] = {cuuint32_t(box_rows), 1, 2};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(base), dims, strides, box,
-                elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
