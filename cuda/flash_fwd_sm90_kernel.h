@@ -290,12 +290,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     if constexpr (kPingPong && Tile::kPingPong) NamedBarrierArrive(kSchedBarrier + (cw ^ 1), Tile::kConsumerThreads);
   };
   if (cw == 1) sched_arrive();  // warpgroup 0's first turn
-  // S(0) of a tile is issued in the previous tile's last turn, beside its last PV, when that tile had steps
-  // and this one has (kIntraWgOverlap): its latency then passes under the previous tile's epilogue instead
-  // of idling both warpgroups at every tile start. `pending`: the current tile's S(0) is in s (issued and
-  // waited for by the previous iteration).
-  float s[1][NT][4];
-  bool pending = false;
   while (true) {
     const int slot = int(q_iter & 1);
     const uint32_t slot_phase = (q_iter >> 1) & 1;
@@ -316,6 +310,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     float o[DT][4];
 #pragma unroll
     for (int di = 0; di < DT; ++di) o[di][0] = o[di][1] = o[di][2] = o[di][3] = 0.0f;
+    float s[1][NT][4];
     uint32_t pa[NT / 2][4];
     Sm90RowSoftmax softmax;
     int lo[2], hi[2];
@@ -346,10 +341,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // S(j) = Q K(j)^T for the current stage, issued (not waited). The caller has waited for K (and for V
     // when PV follows) before taking the turn (FA3's order): a warpgroup holding the turn should not sit on
     // a TMA.
-    auto issue_s = [&](uint32_t desc_q) {
+    auto issue_s = [&]() {
       const uint32_t dk = desc_k + ((kv.stage * Tile::kKvBytes) >> 4);
       // Recomputed at each step (OpaqueZero): held across the loop, the 64-bit descriptors take 14 registers.
-      const uint32_t dq = desc_q + OpaqueZero();
+      const uint32_t dq = desc_q_tile + OpaqueZero();
       WgmmaFence();
       Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc(dq), desc(dk));
 #pragma unroll
@@ -392,9 +387,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       return true;
     };
 
-    // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the last PV of a tile is a
-    // batch with the next tile's S(0) (kNextSInLastTurn), or alone, and a tile's first S a batch of its own
-    // when not issued so. Same count in both warpgroups (they see the same tiles).
+    // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the first S and the last PV
+    // of a tile are a batch each. Same count in both warpgroups.
     //
     // Step j (FA3's intra-warpgroup overlap, its order): wait K(j), V(j-1); take the turn; issue S(j);
     // O *= alpha(j-1) while S(j) runs; issue O += P(j-1) V(j-1); hand the turn over; wait for S(j) (PV(j-1)
@@ -406,16 +400,13 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // warpgroup. The O rescale moved into the turn, between the two GEMM batches (FA3), where it runs
     // under S(j) instead of delaying the next issue.
     if constexpr (Tile::kIntraWgOverlap) {
-      static_assert(Tile::kQStages == 2, "the next tile's S(0) reads its own Q stage");
       if (st.cur >= 0) {
         start_slice();
-        if (!pending) {
-          MbarWait(&bars.k_full[kv.stage], kv.phase);
-          sched_sync();
-          issue_s(desc_q_tile);
-          sched_arrive();
-          WgmmaWait<0>();
-        }
+        MbarWait(&bars.k_full[kv.stage], kv.phase);
+        sched_sync();
+        issue_s();
+        sched_arrive();
+        WgmmaWait<0>();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
         softmax_s(alpha);
@@ -430,7 +421,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           MbarWait(&bars.k_full[kv.stage], kv.phase);
           MbarWait(&bars.v_full[prev.stage], prev.phase);
           sched_sync();
-          issue_s(desc_q_tile);
+          issue_s();
           FenceRegs(o);  // the rescale below stays after the S issue (NVVM)
           Sm90RowSoftmax::Rescale(o, alpha);
           issue_pv(prev);
@@ -451,35 +442,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
         Sm90RowSoftmax::Rescale(o, alpha);
         MbarWait(&bars.v_full[prev.stage], prev.phase);  // V before the turn, as K
-        if constexpr (Tile::kNextSInLastTurn) {
-          // The next tile's record (read again, and its slot released, at the loop's top): with steps, its
-          // S(0) joins this turn, on its Q stage and the K stage kv now points at.
-          const int next_slot = int(q_iter & 1);
-          MbarWait(&bars.tile_full[next_slot], (q_iter >> 1) & 1);
-          const FwdTileRecord next = bars.tile[next_slot];
-          pending = __shfl_sync(0xffffffffu, next.tile < p.num_tiles && next.cur >= 0 ? 1 : 0, 0) != 0;
-          if (pending) {
-            MbarWait(&bars.q_full[next_slot], (q_iter >> 1) & 1);
-            MbarWait(&bars.k_full[kv.stage], kv.phase);
-          }
-          // Issued whether or not the next tile has steps (then on whatever the stages hold, and
-          // discarded): a wgmma under a branch makes ptxas serialise them all.
-          sched_sync();
-          issue_pv(prev);
-          issue_s(uint32_t(SmemDesc128B(sq + next_slot * Tile::kQBytes + cw * (WM * 128), 16)));
-          sched_arrive();
-          WgmmaWait<1>();  // O += P V has landed; the next tile's S(0) runs on
-        } else {
-          sched_sync();
-          issue_pv(prev);
-          sched_arrive();
-          WgmmaWait<0>();
-        }
+        sched_sync();
+        issue_pv(prev);
+        sched_arrive();
+        WgmmaWait<0>();
         FenceRegs(o);
         release(&bars.v_empty[prev.stage]);
       } else {
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
-        pending = false;
       }
     } else {
       // Without the intra-warpgroup overlap (D 256, FA3's loop for that case): step j is two turns, S(j)
@@ -490,7 +460,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       while (st.cur >= 0) {
         MbarWait(&bars.k_full[kv.stage], kv.phase);
         sched_sync();
-        issue_s(desc_q_tile);
+        issue_s();
         sched_arrive();
         WgmmaWait<0>();
         release(&bars.k_empty[kv.stage]);
@@ -545,9 +515,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       if (row < tq) fp.lse[row * fp.hq + h] = lse[0];
       if (row + 8 < tq) fp.lse[(row + 8) * fp.hq + h] = lse[1];
     }
-    // The next tile's S(0) has run under this epilogue; waited for here, not across the loop's back edge
-    // (ptxas serialises every wgmma of a kernel whose accumulators stay in flight across it).
-    if constexpr (Tile::kNextSInLastTurn) WgmmaWait<0>();
   }
   if (cw == 0) sched_sync();  // the turn warpgroup 1 handed over last
   if (wtid == 0) BulkWait();

@@ -41,9 +41,6 @@ struct FwdSm90Tile {
   // 56 with key tiles of 64); the ping-pong alone hides the softmax there, as each warpgroup's GEMMs per
   // step take about twice as long as its softmax.
   static constexpr bool kIntraWgOverlap = D <= 128;
-  // A tile's S(0) issued in the previous tile's last turn, under its epilogue (flash_fwd_sm90_kernel.h).
-  // D 64: off (its consumers spilled 52 bytes holding S across the epilogue).
-  static constexpr bool kNextSInLastTurn = D == 128;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
