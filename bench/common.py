@@ -30,15 +30,20 @@ def doc_lengths(total: int, seed: int, mean: int = 4096, lo: int = 256) -> list[
     return lens
 
 
-def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7) -> float:
-    """Median wall time of fn(*args) after warm-up (compilation stays out of the numbers)."""
+def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7, calls: int = 1) -> float:
+    """Median wall seconds per call of fn(*args) over `reps` samples of `calls` back-to-back calls, after
+    warm-up (compilation stays out of the numbers). calls > 1 times a step as a training loop runs it, each
+    call dispatched while the previous one still runs; calls = 1 adds one dispatch-and-sync latency per
+    call (larger for a program over several GPUs than for one)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)
 
 

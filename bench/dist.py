@@ -281,7 +281,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 else:
                     row["rel_diff_vs_first"] = rel_diff(got, reference)
             for label, func, backward in (("fwd", f, False), ("fwd+bwd", g, True)):
-                t = median_seconds(func, *inputs, warmup=args.warmup, reps=args.reps)
+                t = median_seconds(func, *inputs, warmup=args.warmup, reps=args.reps, calls=args.calls)
                 tf = attention_flops(int(work), args.heads, args.head_dim, backward) / t / 1e12
                 results.append({**row, "pass": label, "ms": t * 1e3, "tflops_per_gpu": tf, "note": note})
                 print(f"  {method:9s} {label:7s} {t * 1e3:9.3f} ms  {tf:7.1f} TFLOP/s per GPU  {note}"
@@ -320,7 +320,8 @@ def report(results: list[dict], args, n: int) -> str:
     header = ["mask", "pass", *[f"{m} TFLOP/s per GPU (ms)" for m in args.methods],
               *[f"magi / {m}" for m in args.methods if m != "magi"]]
     notes = (f"{n} GPUs, {args.tokens_per_gpu} tokens per GPU, {jnp.dtype(args.dtype).name}, {args.heads} q heads, "
-             f"{args.kv_heads} kv heads, D {args.head_dim}; median of {args.reps} after {args.warmup} warm-up; "
+             f"{args.kv_heads} kv heads, D {args.head_dim}; median of {args.reps} samples of {args.calls} back-to-back "
+             f"calls after {args.warmup} warm-up; "
              f"TFLOP/s per GPU on the unmasked area (single: on its share). Targets (varlen causal, fwd+bwd): "
              + ("; ".join(verdicts) if verdicts else "not evaluated"))
     extra = [f"{r['mask']}: magi {r['note']}" for r in results if r["method"] == "magi" and r["pass"] == "fwd"]
@@ -438,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=10,
+                    help="back-to-back calls per timed sample, as a training loop dispatches its steps (1: each "
+                         "call also pays one multi-GPU dispatch-and-sync latency)")
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--profile", type=pathlib.Path, default=None, help="trace magi fwd+bwd into this folder")
     ap.add_argument("--profile-only", action="store_true")

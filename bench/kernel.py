@@ -22,9 +22,7 @@ import datetime
 import json
 import os
 import pathlib
-import statistics
 import sys
-import time
 import traceback
 import types
 from typing import Callable
@@ -48,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(ROOT))  # run as a script: make the repository's bench package importable
-from bench.common import doc_lengths  # noqa: E402
+from bench.common import doc_lengths, median_seconds  # noqa: E402
 
 
 def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
@@ -172,20 +170,7 @@ def make_cases() -> list[Case]:
     return cases
 
 
-# ------------------------------------------------------------------------------------------------ timing
-
-def bench(f, *args, iters=10, reps=5) -> float:
-    """Median seconds per call over `reps` runs of `iters` back-to-back calls (after a warm-up call)."""
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times)
-
+# ----------------------------------------------------------------------------------------------- checking
 
 def rel_diff(a, b) -> float:
     a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
@@ -247,7 +232,7 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
                     row["rel_diff_vs_ffa"] = rel_diff(dq, reference["dq"]) if "dq" in reference else float("nan")
                     del dq
                     mult = 3.5
-                seconds = bench(f, q, k, v)
+                seconds = median_seconds(f, q, k, v, warmup=1, reps=5, calls=10)
                 row.update(ms=round(seconds * 1e3, 3), tflops=round(flops * mult / seconds / 1e12, 1))
             except Exception as e:
                 traceback.print_exc(limit=2)

@@ -1,5 +1,5 @@
-"""bench/common.py's trace readers (used by bench/dist.py --profile and cuda/tools/ncu_case.py --trace), on
-a made-up perfetto trace: no GPU needed."""
+"""bench/common.py's timing (on a fake clock) and its trace readers (used by bench/dist.py --profile and
+cuda/tools/ncu_case.py --trace, on a made-up perfetto trace): no GPU needed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,23 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from bench.common import gpu_kernel_events, kernel_totals, last_step, newest_perfetto_trace  # noqa: E402
+import bench.common  # noqa: E402
+from bench.common import (gpu_kernel_events, kernel_totals, last_step, median_seconds,  # noqa: E402
+                          newest_perfetto_trace)
+
+
+def test_median_seconds_is_per_call_over_back_to_back_calls(monkeypatch):
+    # A fake clock that each call of fn advances by 1 s: every sample of 4 calls reads 4 s, 1 s per call.
+    clock = {"now": 0.0, "calls": 0}
+
+    def fn(x):
+        clock["now"] += 1.0
+        clock["calls"] += 1
+        return x
+
+    monkeypatch.setattr(bench.common.time, "perf_counter", lambda: clock["now"])
+    assert median_seconds(fn, 3, warmup=2, reps=5, calls=4) == 1.0
+    assert clock["calls"] == 2 + 5 * 4
 
 
 def test_gpu_kernel_events_and_totals(tmp_path):
