@@ -11,7 +11,8 @@
 #
 # Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, PROFILE_VARIANTS ("name:VAR=v VAR='v w';..."),
 # PROFILE_PASSES (default "fwd+bwd"; "fwd fwd+bwd" profiles the forward alone too),
-# COMPARE_METHODS (default "magi magi_staged magi_nomargin single"), *_TIMEOUT (seconds per step). Every step
+# COMPARE_METHODS (default "magi magi_staged magi_nomargin single"), COMPARE_CALLS (bench/dist.py --calls values,
+# one compare each; default "10"), *_TIMEOUT (seconds per step). Every step
 # is time-limited so that partial results come back.
 set -u
 cd "$(dirname "$0")/.."
@@ -87,11 +88,13 @@ for s in $STEPS; do
     compare)
       # One process per flag setting (XLA reads its flags once); varlen causal only, nothing appended.
       : > "$OUT/compare.log"
-      for flags in "" "$LIMIT2"; do
-        echo "=== XLA_FLAGS='$flags'" >> "$OUT/compare.log"
-        step "compare (XLA_FLAGS='$flags')" "${COMPARE_TIMEOUT:-120}" "$OUT/compare.log" \
-          env XLA_FLAGS="$flags" python3 bench/dist.py --no-append --masks varlen_causal \
-          --methods ${COMPARE_METHODS:-magi magi_staged magi_nomargin single}
+      for calls in ${COMPARE_CALLS:-10}; do
+        for flags in "" "$LIMIT2"; do
+          echo "=== XLA_FLAGS='$flags' --calls $calls" >> "$OUT/compare.log"
+          step "compare (XLA_FLAGS='$flags', --calls $calls)" "${COMPARE_TIMEOUT:-120}" "$OUT/compare.log" \
+            env XLA_FLAGS="$flags" python3 bench/dist.py --no-append --masks varlen_causal --calls "$calls" \
+            --methods ${COMPARE_METHODS:-magi magi_staged magi_nomargin single}
+        done
       done
       grep -E "^(===|\| varlen)" "$OUT/compare.log" >> "$SUMMARY"
       ;;

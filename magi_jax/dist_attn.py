@@ -413,12 +413,15 @@ def _backward_body(cfg: _Config, res, cts):
         # kernel tail instead of one per stage; the partials then travel back (not overlapped). The local
         # keys and the received ones are the call's two key sources: neither is copied into a concatenation,
         # and the local gradients are a buffer of their own (the partials add into it in place).
+        # dQ comes back unrounded (float32) and is rounded here, by XLA, which can then round it while the
+        # partials travel instead of before (inside the call, the rounding delayed the collective's start).
         kv2 = recv[0] if len(recv) == 1 else jnp.concatenate(recv)
-        dq, dk_local, dv_local, dkv2 = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.fused, r, kv2)
+        chain = {} if cfg.deterministic else dict(dq_f32=True)
+        dq, dk_local, dv_local, dkv2 = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.fused, r, kv2, **chain)
         ends = np.cumsum([0] + [t.buffer_len for t in tables])
         backs = [return_partials((dkv2[a:b],), t, axis, wire) for t, a, b in zip(tables, ends[:-1], ends[1:])]
         dk, dv = _add_partials(backs, tables, axis, (dk_local, dv_local))
-        return dq, dk, dv
+        return dq.astype(q.dtype), dk, dv
     # Staged: stages first, the host call last: stage i's partials travel back under stage i+1's call,
     # the last ones under the host call. dQ: one float32 accumulator passed from call to call and rounded
     # once (deterministic: each call's own dQ, summed here, since that kernel writes q's dtype). A stage

@@ -33,5 +33,6 @@ print(f"{len(body)} SASS lines, {total:.0f} stall samples; the top 60:")
 for r in sorted(body, key=lambda r: -num(r[col]) if len(r) > col else 0)[:60]:
     print(f"{num(r[col]) / total * 100:5.1f}%  " + " | ".join(r[:3]))
 PY
-# The csv is large and the txt holds its top lines: dropped unless KEEP_SASS=1 (8 files come back at most).
+# The csv is large and the txt holds its top lines: dropped unless KEEP_SASS=1 (8 files come back at most;
+# cuda/tools/pack_out.sh packs what a call wrote beyond them).
 [ "${KEEP_SASS:-0}" = 1 ] || rm -f "$OUT/ncu_${TAG}_sass.csv"
