@@ -3,9 +3,10 @@
 // magi_jax/_ffi.py for platform "CUDA".
 // They pack and unpack the buffers of the group collectives (magi_jax/comm.py).
 //
-// One kernel in "gather form" serves both: a CTA owns kRows output rows x (threads * kVec) columns of one
-// array, keeps them in float registers, walks the range table in order (staged through shared memory) and
-// adds every input row that a range maps into its rows; then it rounds once and stores. Every output element
+// One kernel in "gather form" serves both: a CTA owns blocks of kRows output rows x (threads * kVec) columns
+// of one array (a grid of the resident CTAs striding over the row blocks); for each block it keeps them in
+// float registers, walks the range table in order (staged through shared memory) and adds every input row
+// that a range maps into its rows; then it rounds once and stores. Every output element
 // has one owner: no atomics, no pre-zeroing, deterministic sums, each output byte written once (the "into"
 // variant reads and writes only the rows some range covers).
 #include <cuda_bf16.h>
@@ -80,7 +81,7 @@ __device__ __forceinline__ void Store(T* p, int n, const float (&v)[kVec]) {
 // kInto: out already holds the initial values; rows no range covers are not touched, covered rows become
 // out + sum.
 template <typename Tin, typename Tout, bool kAligned, bool kInto>
-__global__ void __launch_bounds__(kMaxThreads)
+__global__ void __launch_bounds__(kMaxThreads, 2)
     RangeSumKernel(const int32_t* __restrict__ ranges, int num_ranges, bool gather,
                    const __grid_constant__ Arrays arrays, int64_t in_rows,
                    int64_t out_rows) {
@@ -90,68 +91,72 @@ __global__ void __launch_bounds__(kMaxThreads)
   Tout* out = static_cast<Tout*>(arrays.out[j]);
   const int64_t f = arrays.features[j], in_stride = arrays.in_stride[j], out_stride = arrays.out_stride[j];
   const int64_t col = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kVec;
-  const int64_t r0 = int64_t(blockIdx.x) * kRows;
   const int n_cols = int(min(int64_t(kVec), f - col));
 
-  float acc[kRows][kVec];
+  // The CTA strides over blocks of kRows output rows: after its first block the range table comes from L1,
+  // so a block costs one memory latency (its rows' loads) instead of two (the table, then the rows).
+#pragma unroll 1
+  for (int64_t r0 = int64_t(blockIdx.x) * kRows; r0 < out_rows; r0 += int64_t(gridDim.x) * kRows) {
+    float acc[kRows][kVec];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
+    for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
+      for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
 
-  uint32_t covered = 0;  // bit r: some range maps into CTA row r (the same in every thread)
-  for (int base = 0; base < num_ranges; base += kRangeTile) {
-    const int n = min(kRangeTile, num_ranges - base);
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const int64_t s = ranges[3 * (base + i)], e = ranges[3 * (base + i) + 1], d = ranges[3 * (base + i) + 2];
-      const int64_t in0 = gather ? s : d, out0 = gather ? d : s;
-      // Clip to both arrays and to this CTA's rows [r0, r0 + kRows).
-      const int64_t lo = max(max(int64_t(0), -in0), max(-out0, r0 - out0));
-      const int64_t hi = min(min(e - s, in_rows - in0), min(out_rows - out0, r0 + kRows - out0));
-      spans[i] = hi > lo ? make_int3(int(in0 + lo), int(out0 + lo - r0), int(hi - lo)) : make_int3(0, 0, 0);
-    }
-    __syncthreads();
-    if (n_cols <= 0) continue;
-    for (int i = 0; i < n; ++i) {
-      const int3 sp = spans[i];
-      if (sp.z == 0) continue;
-      const Tin* first = in + (int64_t(sp.x) - sp.y) * in_stride + col;  // the input row of CTA row 0
-      // Every row's load first, then the adds: the loads are in flight together instead of one latency each.
-      float v[kRows][kVec];
+    uint32_t covered = 0;  // bit r: some range maps into CTA row r (the same in every thread)
+    for (int base = 0; base < num_ranges; base += kRangeTile) {
+      const int n = min(kRangeTile, num_ranges - base);
+      __syncthreads();  // the previous tile's (or block's) spans are read
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int64_t s = ranges[3 * (base + i)], e = ranges[3 * (base + i) + 1], d = ranges[3 * (base + i) + 2];
+        const int64_t in0 = gather ? s : d, out0 = gather ? d : s;
+        // Clip to both arrays and to this CTA's rows [r0, r0 + kRows).
+        const int64_t lo = max(max(int64_t(0), -in0), max(-out0, r0 - out0));
+        const int64_t hi = min(min(e - s, in_rows - in0), min(out_rows - out0, r0 + kRows - out0));
+        spans[i] = hi > lo ? make_int3(int(in0 + lo), int(out0 + lo - r0), int(hi - lo)) : make_int3(0, 0, 0);
+      }
+      __syncthreads();
+      if (n_cols <= 0) continue;
+      for (int i = 0; i < n; ++i) {
+        const int3 sp = spans[i];
+        if (sp.z == 0) continue;
+        const Tin* first = in + (int64_t(sp.x) - sp.y) * in_stride + col;  // the input row of CTA row 0
+        // Every row's load first, then the adds: the loads are in flight together instead of one latency each.
+        float v[kRows][kVec];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        if (r >= sp.y && r < sp.y + sp.z) Load<kAligned>(first + r * in_stride, n_cols, v[r]);
+        for (int r = 0; r < kRows; ++r)
+          if (r >= sp.y && r < sp.y + sp.z) Load<kAligned>(first + r * in_stride, n_cols, v[r]);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (r >= sp.y && r < sp.y + sp.z) {
-          covered |= 1u << r;
+        for (int r = 0; r < kRows; ++r) {
+          if (r >= sp.y && r < sp.y + sp.z) {
+            covered |= 1u << r;
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[r][e] += v[r][e];
+            for (int e = 0; e < kVec; ++e) acc[r][e] += v[r][e];
+          }
         }
       }
     }
-  }
-  if (n_cols <= 0) return;
-  Tout* dst = out + r0 * out_stride + col;
-  const int rows = int(min(int64_t(kRows), out_rows - r0));
-  if constexpr (kInto) {
-    // The initial values, all loaded before any store (a store could alias a later row's load otherwise).
-    float old[kRows][kVec];
+    if (n_cols <= 0) continue;  // no return: the other threads' next block has barriers
+    Tout* dst = out + r0 * out_stride + col;
+    const int rows = int(min(int64_t(kRows), out_rows - r0));
+    if constexpr (kInto) {
+      // The initial values, all loaded before any store (a store could alias a later row's load otherwise).
+      float old[kRows][kVec];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (r < rows && (covered >> r & 1u)) Load<kAligned>(dst + r * out_stride, n_cols, old[r]);
+      for (int r = 0; r < kRows; ++r)
+        if (r < rows && (covered >> r & 1u)) Load<kAligned>(dst + r * out_stride, n_cols, old[r]);
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (r < rows && (covered >> r & 1u)) {
+      for (int r = 0; r < kRows; ++r)
+        if (r < rows && (covered >> r & 1u)) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[r][e] += old[r][e];
-        Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
-      }
-  } else {
+          for (int e = 0; e < kVec; ++e) acc[r][e] += old[r][e];
+          Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
+        }
+    } else {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (r < rows) Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
+      for (int r = 0; r < kRows; ++r)
+        if (r < rows) Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
+    }
   }
 }
 
@@ -167,17 +172,25 @@ cudaError_t LaunchRangeSum(cudaStream_t stream, const int32_t* ranges, int num_r
   if (out_rows == 0 || max_f == 0) return cudaSuccess;
   const int64_t vecs = (max_f + kVec - 1) / kVec;
   const int threads = int(std::min<int64_t>(kMaxThreads, (vecs + 31) / 32 * 32));
-  const dim3 grid(unsigned((out_rows + kRows - 1) / kRows), unsigned((vecs + threads - 1) / threads),
-                  unsigned(num_arrays));
-  auto launch = [&](auto kernel) {
+  const int64_t row_blocks = (out_rows + kRows - 1) / kRows;
+  const unsigned col_blocks = unsigned((vecs + threads - 1) / threads);
+  auto launch = [&](auto kernel) -> cudaError_t {
+    // As many CTAs as are resident at once (the kernel strides over the row blocks), never more than blocks.
+    int device = 0, sms = 0, per_sm = 0;
+    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+    if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
+      return err;
+    if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
+        err != cudaSuccess)
+      return err;
+    const int64_t resident = std::max<int64_t>(1, int64_t(sms) * std::max(per_sm, 1) / (col_blocks * num_arrays));
+    const dim3 grid(unsigned(std::min(row_blocks, resident)), col_blocks, unsigned(num_arrays));
     kernel<<<grid, threads, 0, stream>>>(ranges, num_ranges, gather, arrays, in_rows, out_rows);
+    return cudaGetLastError();
   };
-  if (aligned) {
-    into ? launch(RangeSumKernel<Tin, Tout, true, true>) : launch(RangeSumKernel<Tin, Tout, true, false>);
-  } else {
-    into ? launch(RangeSumKernel<Tin, Tout, false, true>) : launch(RangeSumKernel<Tin, Tout, false, false>);
-  }
-  return cudaGetLastError();
+  if (aligned)
+    return into ? launch(RangeSumKernel<Tin, Tout, true, true>) : launch(RangeSumKernel<Tin, Tout, true, false>);
+  return into ? launch(RangeSumKernel<Tin, Tout, false, true>) : launch(RangeSumKernel<Tin, Tout, false, false>);
 }
 
 template <typename Tin>
