@@ -241,7 +241,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                       ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse,
                       ffi::Buffer<ffi::F32> dlse, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
                       ffi::Buffer<ffi::S32> types, ffi::AnyBuffer k2, ffi::AnyBuffer v2, ffi::AnyBuffer dq_in,
-                      float softmax_scale, float softcap, bool deterministic, bool dq_f32, bool kv2_packed,
+                      ffi::AnyBuffer delta_in, float softmax_scale, float softcap, bool deterministic, bool dq_f32,
+                      bool kv2_packed,
                       ffi::Result<ffi::AnyBuffer> dq,
                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                       ffi::Result<ffi::AnyBuffer> dk2, ffi::Result<ffi::AnyBuffer> dv2) {
@@ -251,6 +252,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     if (auto err = CheckSameShape(name, *buf, q); err.failure()) return err;
   auto has_dq_in = CheckDqChain(q, dq_in, *dq, dq_f32, deterministic);
   if (has_dq_in.has_error()) return has_dq_in.error();
+  auto has_delta = CheckDeltaIn(q, delta_in);
+  if (has_delta.has_error()) return has_delta.error();
   if (auto err = CheckSameShape("dk", *dk, k); err.failure()) return err;
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
   auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2, kv2_packed);
@@ -340,7 +343,13 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    if (cudaError_t err = LaunchBwdDelta<T, D>(p, stream); err != cudaSuccess) return CudaFailure("delta", err);
+    // delta given (a split backward's later calls): copied into the scratch the kernels read (4 bytes a row
+    // and head), instead of the preprocess pass over out and dout.
+    const cudaError_t delta_err =
+        *has_delta ? cudaMemcpyAsync(p.delta, delta_in.untyped_data(), size_t(rows) * 4, cudaMemcpyDeviceToDevice,
+                                     stream)
+                   : LaunchBwdDelta<T, D>(p, stream);
+    if (delta_err != cudaSuccess) return CudaFailure("delta", delta_err);
     bool enqueued = false;  // dK, dV and dQ's reduce-adds, by the sm90 kernel on both key sources
     if (split.row >= 0 && sm90 && !deterministic) {
       const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, stream, split);

@@ -220,23 +220,29 @@ void TileGradients(const Params& p, const Slice& s, int64_t rb, int64_t mr, int6
   }
 }
 
-// dq in TDq: T, or float32 when chained (dq_in, if not null, added before the store).
+// dq in TDq: T, or float32 when chained (dq_in, if not null, added before the store). delta_in, if not
+// null, is delta as given (out, dout's product and dlse are then not read for it).
 template <typename T, typename TDq>
 void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out, const T* dout,
-              const float* lse, const float* dlse, const float* dq_in, TDq* dq, T* dk, T* dv) {
+              const float* lse, const float* dlse, const float* dq_in, const float* delta_in, TDq* dq, T* dk,
+              T* dv) {
   const auto& [tq, tk, hq, hkv, d, n] = p.dims;
   const int64_t group = hq / hkv;
   // delta = rowsum(dout * out) - dlse: the softmax-gradient correction of every (row, head); lse's own
   // cotangent enters here because d lse / d logit = P.
   std::vector<float> delta(tq * hq);
-  ParallelFor(hq, [&](int64_t h, int) {
-    for (int64_t r = 0; r < tq; ++r) {
-      double acc = 0.0;
-      for (int64_t j = 0; j < d; ++j)
-        acc += double(ToFloat(dout[(r * hq + h) * d + j])) * ToFloat(out[(r * hq + h) * d + j]);
-      delta[r * hq + h] = float(acc - dlse[r * hq + h]);
-    }
-  });
+  if (delta_in != nullptr) {
+    std::copy(delta_in, delta_in + tq * hq, delta.begin());
+  } else {
+    ParallelFor(hq, [&](int64_t h, int) {
+      for (int64_t r = 0; r < tq; ++r) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < d; ++j)
+          acc += double(ToFloat(dout[(r * hq + h) * d + j])) * ToFloat(out[(r * hq + h) * d + j]);
+        delta[r * hq + h] = float(acc - dlse[r * hq + h]);
+      }
+    });
+  }
   auto row_stats = [&](Scratch& w, int64_t h, int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       w.lse[r - b] = lse[r * hq + h];
@@ -367,7 +373,8 @@ ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
 ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                       ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
                       ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types,
-                      ffi::AnyBuffer k2, ffi::AnyBuffer v2, ffi::AnyBuffer dq_in, float softmax_scale,
+                      ffi::AnyBuffer k2, ffi::AnyBuffer v2, ffi::AnyBuffer dq_in, ffi::AnyBuffer delta_in,
+                      float softmax_scale,
                       float softcap, bool deterministic /*always so on the CPU*/, bool dq_f32, bool kv2_packed,
                       ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dk2,
@@ -380,20 +387,23 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
   if (tk2.has_error()) return tk2.error();
   auto has_dq_in = CheckDqChain(q, dq_in, *dq, dq_f32, deterministic);
   if (has_dq_in.has_error()) return has_dq_in.error();
+  auto has_delta = CheckDeltaIn(q, delta_in);
+  if (has_delta.has_error()) return has_delta.error();
   const int64_t tk1 = dims->tk;
   dims->tk += *tk2;
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
   const float* dq_add = *has_dq_in ? Data<float>(dq_in) : nullptr;
+  const float* delta = *has_delta ? Data<float>(delta_in) : nullptr;
   return DispatchDtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     // dq in T or, chained, in float32.
     auto backward = [&](const T* kk, const T* vv, T* dkk, T* dvv) {
       if (dq_f32)
         Backward<T, float>(p, Data<T>(q), kk, vv, Data<T>(out), Data<T>(dout), lse.typed_data(), dlse.typed_data(),
-                           dq_add, Data<float>(dq), dkk, dvv);
+                           dq_add, delta, Data<float>(dq), dkk, dvv);
       else
         Backward<T, T>(p, Data<T>(q), kk, vv, Data<T>(out), Data<T>(dout), lse.typed_data(), dlse.typed_data(),
-                       dq_add, Data<T>(dq), dkk, dvv);
+                       dq_add, delta, Data<T>(dq), dkk, dvv);
     };
     if (*tk2 == 0) {
       backward(Data<T>(k), Data<T>(v), Data<T>(dk), Data<T>(dv));

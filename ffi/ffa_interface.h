@@ -67,6 +67,7 @@ auto BindFfaBwd(Binding binding) {
       .template Arg<ffi::AnyBuffer>()                    // k2
       .template Arg<ffi::AnyBuffer>()                    // v2
       .template Arg<ffi::AnyBuffer>()                    // dq_in: float32 [Tq, Hq, D] dq adds to, or empty
+      .template Arg<ffi::AnyBuffer>()                    // delta_in: float32 [Tq, Hq] rowsum(dout out) - dlse, or empty
       .template Attr<float>("softmax_scale")
       .template Attr<float>("softcap")
       .template Attr<bool>("deterministic")
@@ -168,6 +169,16 @@ inline ffi::ErrorOr<bool> CheckDqChain(const ffi::AnyBuffer& q, const ffi::AnyBu
   if (dq_f32 && deterministic)
     return ffi::Error::InvalidArgument("dq_f32: not with deterministic (its dQ kernel writes q's dtype)");
   return has_in;
+}
+
+// The calls of a split backward share one delta = rowsum(dout * out) - dlse: delta_in (empty: the call
+// computes it from out, dout and dlse) is float32 [Tq, Hq]. Returns whether it is given.
+inline ffi::ErrorOr<bool> CheckDeltaIn(const ffi::AnyBuffer& q, const ffi::AnyBuffer& delta_in) {
+  auto qd = q.dimensions(), dd = delta_in.dimensions();
+  if (delta_in.element_count() == 0 && dd.size() != 2) return false;
+  if (dd.size() != 2 || dd[0] != qd[0] || dd[1] != qd[1] || delta_in.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("delta_in: must be float32 [Tq, Hq], or empty");
+  return true;
 }
 
 }  // namespace magi_jax

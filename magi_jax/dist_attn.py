@@ -347,7 +347,7 @@ def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False, prev=None):
 
 def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, kv2=None, **dq_chain):
     """dq, dk, dv, and with a second key source kv2 (a receive buffer, K and V packed; keys concat(k, kv2),
-    not concatenated) its gradients dkv2, packed the same way; dq_chain: ffa._bwd_call's dq_in, dq_f32."""
+    not concatenated) its gradients dkv2, packed the same way; dq_chain: ffa._bwd_call's dq_in, dq_f32, delta."""
     grads = ffa._bwd_call(q, k, v, out, dout, lse, dlse, *_rows(slices, r), cfg.scale, cfg.softcap,
                           cfg.deterministic, kv2, None, **dq_chain)
     return grads[:4] if kv2 is not None else grads[:3]
@@ -426,13 +426,15 @@ def _backward_body(cfg: _Config, res, cts):
     # the last ones under the host call. dQ: one float32 accumulator passed from call to call and rounded
     # once (deterministic: each call's own dQ, summed here, since that kernel writes q's dtype). A stage
     # call's keys are its receive buffer alone: the second source of a call with no first one.
+    # Every call shares one delta (computed once here, not by each call's pass over out and dout).
     none = jnp.zeros((0, *k.shape[1:]), k.dtype)
+    delta = ffa.backward_delta(out, dout, dlse)
 
     def call(slices, dq, kv=None):
         """One staged call over the local keys, or over the receive buffer kv: (dq so far plus this call's,
         in float32) and the key gradients: (dk, dv) of the local keys, or (dkv,) packed."""
         kk, vv = (k, v) if kv is None else (none, none)
-        chain = {} if cfg.deterministic else dict(dq_in=dq, dq_f32=True)
+        chain = dict(delta=delta) if cfg.deterministic else dict(dq_in=dq, dq_f32=True, delta=delta)
         dq_i, dk_i, dv_i, *dkv = _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, r, kv, **chain)
         if cfg.deterministic:
             dq_i = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)

@@ -152,20 +152,23 @@ def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
 
 
 def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic,
-              k2=None, v2=None, dq_in=None, dq_f32=False):
+              k2=None, v2=None, dq_in=None, dq_f32=False, delta=None):
     """dq, dk, dv, dk2, dv2: the backward over the keys concat(k, k2) (k_ranges index them), without
     concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty). v2 None with k2: k2 is
     K and V packed [Tk2, 2, Hkv, D] (a group collective's receive buffer), and dk2 comes back packed the same
     way, dK and dV side by side (dv2 None): one buffer for the partials' return.
     A backward split into calls over disjoint key sets chains dQ in float32: dq_f32=True returns dq
     unrounded in float32, plus dq_in (float32, q's shape) when given; the next call takes it as dq_in and
-    adds to it in place. Not with deterministic=True."""
+    adds to it in place. Not with deterministic=True. Such calls share one delta = rowsum(dout * out) - dlse
+    (float32 [Tq, Hq], backward_delta): given, a call takes it instead of computing it."""
     if dq_f32 and deterministic:
         raise ValueError("dq_f32: not with deterministic=True (its dQ kernel writes q's dtype)")
     if dq_in is not None and not dq_f32:
         raise ValueError("dq_in: needs dq_f32=True (the chained sum stays in float32)")
     if dq_in is not None and (dq_in.shape != q.shape or dq_in.dtype != jnp.float32):
         raise ValueError(f"dq_in: must be float32 of q's shape {q.shape}, got {dq_in.dtype}{list(dq_in.shape)}")
+    if delta is not None and (delta.shape != q.shape[:2] or delta.dtype != jnp.float32):
+        raise ValueError(f"delta: must be float32 [Tq, Hq] = {list(q.shape[:2])}, got {delta.dtype}{list(delta.shape)}")
     kv2_packed = k2 is not None and v2 is None
     if k2 is None:
         k2 = v2 = jnp.zeros((0, *k.shape[1:]), k.dtype)
@@ -176,6 +179,8 @@ def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, 
     has_in = dq_in is not None
     if not has_in:
         dq_in = jnp.zeros((0,), jnp.float32)
+    if delta is None:
+        delta = jnp.zeros((0,), jnp.float32)
     _ffi.check_kernel_env()
     dv2_shape = (0,) if kv2_packed else v2.shape
     dq, dk, dv, dk2, dv2 = _ffi.call(
@@ -184,11 +189,18 @@ def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, 
          jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(k2.shape, k2.dtype),
          jax.ShapeDtypeStruct(dv2_shape, v2.dtype)),
         q, k, v, out, dout.astype(q.dtype), lse, dlse.astype(jnp.float32), q_ranges, k_ranges, attn_type_map, k2,
-        v2, dq_in, aliases={12: 0} if has_in else None, softmax_scale=np.float32(scale),
+        v2, dq_in, delta, aliases={12: 0} if has_in else None, softmax_scale=np.float32(scale),
         softcap=np.float32(softcap), deterministic=deterministic, dq_f32=dq_f32, kv2_packed=kv2_packed)
     if kv2_packed:
         return dq, dk, dv, dk2.reshape(dk2.shape[0], 2, dk2.shape[1] // 2, dk2.shape[2]), None
     return dq, dk, dv, dk2, dv2
+
+
+def backward_delta(out, dout, dlse):
+    """delta = rowsum(dout * out) - dlse (float32 [Tq, Hq]): what every backward call over the same queries
+    computes first; a backward split into calls computes it once and gives it to each (_bwd_call's delta)."""
+    prod = out.astype(jnp.float32) * dout.astype(jnp.float32)
+    return jnp.sum(prod, axis=-1) - dlse.astype(jnp.float32)
 
 
 _ffa.defvjp(_ffa_fwd, _ffa_bwd)

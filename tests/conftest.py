@@ -141,17 +141,21 @@ def packed_kv_forward(mask: AttnMask, q, k, v, cut: int):
     return [np.asarray(x) for x in separate], [np.asarray(x) for x in packed]
 
 
-def chained_dq_grads(mask: AttnMask, q, k, v, cut: int):
+def chained_dq_grads(mask: AttnMask, q, k, v, cut: int, shared_delta: bool = False):
     """The FFA backward over the mask's slices in one call, and in two calls over slices [:cut] and [cut:]
     (the same out and lse: each slice's gradient is its own) chaining dQ through ffa._bwd_call's float32
-    dq_in / dq_f32, as the staged distributed backward does. Returns (dq, dk, dv) of each, float32 numpy."""
+    dq_in / dq_f32, as the staged distributed backward does; shared_delta: both take one delta computed by
+    ffa.backward_delta (as the staged backward does) instead of each computing its own. Returns (dq, dk, dv)
+    of each, float32 numpy."""
     from magi_jax import ffa
     (qr, kr, types), scale, (out, dout, lse, dlse) = _backward_inputs(mask, q, k, v, seed=cut)
     one = jax.jit(lambda *a: ffa._bwd_call(*a, qr, kr, types, scale, 0.0, False)[:3])(q, k, v, out, dout, lse, dlse)
 
     def chained(*a):
-        first = ffa._bwd_call(*a, qr[:cut], kr[:cut], types[:cut], scale, 0.0, False, dq_f32=True)
-        second = ffa._bwd_call(*a, qr[cut:], kr[cut:], types[cut:], scale, 0.0, False, dq_in=first[0], dq_f32=True)
+        delta = ffa.backward_delta(a[3], a[4], a[6]) if shared_delta else None
+        first = ffa._bwd_call(*a, qr[:cut], kr[:cut], types[:cut], scale, 0.0, False, dq_f32=True, delta=delta)
+        second = ffa._bwd_call(*a, qr[cut:], kr[cut:], types[cut:], scale, 0.0, False, dq_in=first[0], dq_f32=True,
+                               delta=delta)
         assert second[0].dtype == jnp.float32
         return second[0], first[1] + second[1], first[2] + second[2]
 

@@ -259,13 +259,15 @@ def test_backward_packed_second_source_shape_error_names_k2():
         ffa._bwd_call(q, k, v, q, q, lse, lse, qr, kr, t, 0.125, 0.0, False, k2=k[:10])
 
 
-def test_backward_chained_over_slice_sets_equals_one_call():
-    # The staged distributed backward: calls over disjoint slice sets, dQ summed in one float32 accumulator.
+@pytest.mark.parametrize("shared_delta", [False, True])
+def test_backward_chained_over_slice_sets_equals_one_call(shared_delta):
+    # The staged distributed backward: calls over disjoint slice sets, dQ summed in one float32 accumulator,
+    # each computing delta or all given one.
     rng = np.random.default_rng(3)
     mask = AttnMask([[0, 40], [10, 70], [50, 90], [0, 90]], [[0, 60], [60, 80], [80, 100], [100, 120]],
                     [1, 0, 3, 0], 90, 120)
     q, k, v = random_qkv(rng, 90, 120, 4, 2, 64)
-    one, two = chained_dq_grads(mask, q, k, v, cut=2)
+    one, two = chained_dq_grads(mask, q, k, v, cut=2, shared_delta=shared_delta)
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
 
@@ -339,6 +341,10 @@ def test_dq_chain_argument_errors():
     with pytest.raises(Exception, match="dq_in: must be float32 of q's shape"):
         jax.block_until_ready(ffa._bwd_call(q, k, v, out, out, lse, lse, qr, kr, t, 0.125, 0.0, False,
                                             dq_in=acc[:5], dq_f32=True))
+    with pytest.raises(ValueError, match=r"^delta: must be float32 \[Tq, Hq\]"):
+        ffa._bwd_call(q, k, v, out, out, lse, lse, qr, kr, t, 0.125, 0.0, False, delta=lse[:5])
+    with pytest.raises(ValueError, match=r"^delta: must be float32 \[Tq, Hq\]"):
+        ffa._bwd_call(q, k, v, out, out, lse, lse, qr, kr, t, 0.125, 0.0, False, delta=lse.astype(jnp.bfloat16))
 
 
 def test_second_key_source_shape_errors():

@@ -416,14 +416,16 @@ def test_backward_with_two_key_sources_matches_one(d, split, deterministic, pack
         assert rel < (1e-6 if deterministic else 1e-3), (name, rel)   # atomic dq: summation order only
 
 
+@pytest.mark.parametrize("shared_delta", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_backward_chained_dq_matches_one_call(d):
+def test_backward_chained_dq_matches_one_call(d, shared_delta):
     # The staged distributed backward: calls over disjoint slice sets (remote keys, then local ones), dQ
-    # accumulated in place in one float32 buffer (aliased from call to call) and rounded once at the end.
+    # accumulated in place in one float32 buffer (aliased from call to call) and rounded once at the end;
+    # shared_delta: the calls take one delta (copied into their scratch) instead of computing it.
     rng = np.random.default_rng(d)
     mask = masks.varlen_causal([300, 250, 150])
     q, k, v = random_qkv(rng, 700, 700, 4, 2, d, jnp.bfloat16)
-    one, two = chained_dq_grads(mask, q, k, v, cut=2)
+    one, two = chained_dq_grads(mask, q, k, v, cut=2, shared_delta=shared_delta)
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
         assert rel < 1e-2, (name, rel)   # dk, dv: two bf16 partials added; dq: the atomics' order only
