@@ -191,21 +191,17 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     PipeState<Tile::kQStages> qs;
     int tile = blockIdx.x;
     while (true) {
-      // Decode the tile and find its first step, then publish the step's cursor and slice (FwdTileRecord).
+      // Decode the tile and find its first step, then publish both (FwdTileRecord).
       int qb = 0, h = 0;
       if (tile < p.num_tiles) DecodeTile(p, bars.tail_first, tile, &qb, &h);
-      FwdTileRecord rec{tile < p.num_tiles ? qb * fp.hq + h : p.num_tiles, -1, 0};
       const SliceWalk walk(args, fp.lists, qb);  // q block 0 past the last tile: read, not walked
       FwdStep first;
       first.cur = -1;
       if (tile < p.num_tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, walk.First(args), &first);
-      if (first.cur >= 0) {
-        rec.cur = first.cur;
-        rec.slice = walk.SliceId(first.cur);
-      }
       if (lane == 0) {
         MbarWait(&bars.tile_empty[slot.stage], slot.phase ^ 1);
-        bars.tile[slot.stage] = rec;
+        const int decoded = tile < p.num_tiles ? qb * fp.hq + h : p.num_tiles;
+        bars.tile[slot.stage] = FwdTileRecord::Of(args, walk, decoded, first);
         MbarArrive(&bars.tile_full[slot.stage]);
       }
       slot.Advance();
@@ -296,10 +292,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     const int q_stage = Tile::kQStages == 2 ? slot : 0;
     const uint32_t q_phase = Tile::kQStages == 2 ? slot_phase : q_iter & 1;
     MbarWait(&bars.tile_full[slot], slot_phase);
-    const FwdTileRecord rec = bars.tile[slot];
-    MbarArrive(&bars.tile_empty[slot]);  // after the record is read (the arrive releases the slot)
+    const FwdTileRecord& rec = bars.tile[slot];  // released (tile_empty) once its step has been read below
     const int tile = __shfl_sync(0xffffffffu, rec.tile, 0);  // uniform, visibly
-    if (tile >= p.num_tiles) break;
+    if (tile >= p.num_tiles) {
+      MbarArrive(&bars.tile_empty[slot]);
+      break;
+    }
     // The q block and head from the record's qb * hq + h: ptxas recomputes them where used instead of
     // holding them across the mainloop (held as two fields, the D 64 consumers spilled).
     const int qb = tile / fp.hq, h = tile % fp.hq;
@@ -318,20 +316,19 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
 
     MbarWait(&bars.q_full[q_stage], q_phase);
     ++q_iter;
+    // The first step from the record (shared memory); the walk serves the slices after it (its loads are
+    // waited for only where the first slice ends).
+    FwdStep st = rec.Step();
+    MbarArrive(&bars.tile_empty[slot]);  // after the record is read (the arrive releases the slot)
     // A tile without keys in a merging call writes nothing: out and lse hold the earlier call's values in
     // place (a distributed stage call has many such tiles: q blocks none of whose rows need fetched keys).
-    if (rec.cur < 0 && fp.out_prev != nullptr) {
+    if (st.cur < 0 && fp.out_prev != nullptr) {
       if (wtid == 0) MbarArrive(&bars.q_empty[q_stage]);
       continue;
     }
     // The warpgroup's 64 rows of this tile's Q buffer.
     const uint32_t desc_q_tile = uint32_t(SmemDesc128B(sq + q_stage * Tile::kQBytes + cw * (WM * 128), 16));
-    // The first step from the record's slice (one load, beside the order load above); the walk serves the
-    // slices after it (its loads are waited for only where the first slice ends).
     const SliceWalk walk(args, fp.lists, qb);
-    FwdStep st;
-    st.cur = -1;
-    if (rec.cur >= 0) FwdStepAt(args, r0, BM, rec.cur, rec.slice, &st);
     // Per slice: the two rows' key intervals and the key tiles needing no per-cell mask.
     auto start_slice = [&]() {
       RowInterval(st.s, row, &lo[0], &hi[0]);

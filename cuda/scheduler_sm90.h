@@ -84,26 +84,33 @@ MAGI_DEV int FwdBlockWork(const SliceArgs& a, const BlockLists& lists, int qb, i
   return work;
 }
 
-// What the producer publishes per tile in the tile ring. It finds the tile's first step for its own loads
-// anyway, so a consumer starts the tile with one global round trip (the first slice, loaded beside the q
-// block's order entry) instead of a chain of four (order, list offsets, slice id, slice).
+// What the producer publishes per tile in the tile ring: the tile and its first step, which the producer
+// finds anyway for its own loads. A consumer starts the tile from shared memory alone, with no global load
+// before its first S (it used to load the step's slice itself: a memory latency at every tile start, ahead
+// of the first wgmma, in both warpgroups at once).
 struct FwdTileRecord {
-  int tile;        // the decoded tile, q block * hq + head; num_tiles: no more tiles
-  int cur, slice;  // the first step's walk cursor and slice id; cur < 0: the tile has no step
-};
+  int tile;         // the decoded tile, q block * hq + head; num_tiles: no more tiles
+  int cur;          // the first step's walk cursor; < 0: the tile has no step (the fields below unset)
+  int qs, qe, ks, ke, type;  // its slice, clamped (Slice; sizes are < 2^31, CheckSizes)
+  int c0, step_ke;  // its key span in the q block (FwdStep::c0, ke)
 
-// The step of the (non-empty) slice `slice` at walk cursor `cur` for the q block at r0: FwdStepFrom without
-// the walk, for a slice the producer has already found.
-MAGI_DEV void FwdStepAt(const SliceArgs& a, int64_t r0, int bm, int cur, int slice, FwdStep* st) {
-  const Slice s = LoadSlice(a.q_ranges, a.k_ranges, a.types, slice, a.tq, a.tk);
-  const int64_t rb = s.qs > r0 ? s.qs : r0, re = s.qe < r0 + bm ? s.qe : r0 + bm;
-  int64_t kb, ke;
-  KeySpan(s, rb, re, &kb, &ke);
-  st->cur = cur;
-  st->s = s;
-  st->c0 = int(kb);
-  st->ke = int(ke);
-}
+  // The record of `tile` whose first step is `first` (found by the walk). The slice is loaded again here
+  // (an L1 hit) rather than taken from first.s: kept from the walk to the slot's wait, its fields took the
+  // producer's 40 registers into spills.
+  MAGI_DEV static FwdTileRecord Of(const SliceArgs& a, const SliceWalk& walk, int tile, const FwdStep& first) {
+    if (first.cur < 0) return {tile, -1, 0, 0, 0, 0, 0, 0, 0};
+    const Slice s = LoadSlice(a.q_ranges, a.k_ranges, a.types, walk.SliceId(first.cur), a.tq, a.tk);
+    return {tile, first.cur, int(s.qs), int(s.qe), int(s.ks), int(s.ke), s.type, first.c0, first.ke};
+  }
+  MAGI_DEV FwdStep Step() const {
+    FwdStep st;
+    st.cur = cur;
+    st.s = Slice{qs, qe, ks, ke, type};
+    st.c0 = c0;
+    st.ke = step_ke;
+    return st;
+  }
+};
 
 // The last section's work, in units of the longest tile's per CTA (the model: <= 0.5% over the LPT bound
 // on the bench cases with 1.5, against up to 10% with plain sections).

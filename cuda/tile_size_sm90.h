@@ -63,7 +63,7 @@ struct FwdSm90Tile {
   // [warpgroup][chunk][64 rows][64]; in the Q buffer ([chunk][128 rows][64]) the warpgroup's own Q rows.
   static constexpr int kOWgBytes = kOInQ ? kRowsPerWarpgroup * 128 : kRowsPerWarpgroup * D * 2;
   static constexpr int kOChunkBytes = kOInQ ? kBlockM * 128 : kRowsPerWarpgroup * 128;
-  static constexpr uint32_t kBarBytes = 256;
+  static constexpr uint32_t kBarBytes = 320;  // FwdSm90Barriers: up to 24 mbarriers and two tile records
   // + 1024 so that the kernel can align the dynamic buffer to the 1024 bytes the swizzle atoms need.
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
 
