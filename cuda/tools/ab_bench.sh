@@ -1,0 +1,28 @@
+#!/bin/bash
+# A/B of two source trees on one GPU machine: each is built in turn (pip install -e), optionally tested, and
+# benched with the same kernel cases; ffa and cuDNN side by side in each (ratios decide, not the raw times of
+# two builds). Trees are folders of the working tree that travel with the call (git archive snapshots, named
+# in the device call's carry).
+#   bash cuda/tools/ab_bench.sh .snap .snap_b "varlen_swa1024_32k causal_4k_x8"   # from the repo root
+# Knobs: AB_TESTS (a pytest -k expression run on each tree, tests/test_ffa_sm90_gpu.py and
+# tests/test_ffa_gpu.py), AB_IMPLS (default "ffa cudnn"). Writes $OUT/ab_<tree>.md and $OUT/ab_<tree>_tests.log.
+set -u
+OUT=${OUT:-/tmp/magi_out}
+mkdir -p "$OUT"
+ROOT=$(pwd)
+CASES=$3
+for tree in "$1" "$2"; do
+  name=$(basename "$tree")
+  cd "$ROOT/$tree" || exit 1
+  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/ab_${name}_build.log" 2>&1 || {
+    echo "$tree: build failed"; tail -20 "$OUT/ab_${name}_build.log"; exit 1; }
+  rm -f "$OUT/ab_${name}_build.log"
+  if [ -n "${AB_TESTS:-}" ]; then
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${AB_TEST_TIMEOUT:-180}" python3 -m pytest -q -x -p no:cacheprovider \
+      tests/test_ffa_sm90_gpu.py tests/test_ffa_gpu.py -k "$AB_TESTS" > "$OUT/ab_${name}_tests.log" 2>&1
+    echo "$tree tests: rc $? $(tail -1 "$OUT/ab_${name}_tests.log")"
+  fi
+  echo "=== $tree"
+  timeout "${AB_BENCH_TIMEOUT:-150}" python3 bench/kernel.py --no-append --impls ${AB_IMPLS:-ffa cudnn} --cases $CASES 2>&1 |
+    grep -E "^\| " | tee "$OUT/ab_${name}.md"
+done
