@@ -196,7 +196,7 @@ def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, 
     return dq, dk, dv, dk2, dv2
 
 
-def backward_delta(out, dout, dlse):
+def backward_delta(out: jax.Array, dout: jax.Array, dlse: jax.Array) -> jax.Array:
     """delta = rowsum(dout * out) - dlse (float32 [Tq, Hq]): what every backward call over the same queries
     computes first; a backward split into calls computes it once and gives it to each (_bwd_call's delta)."""
     prod = out.astype(jnp.float32) * dout.astype(jnp.float32)
