@@ -20,8 +20,8 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
               group_reduce(dkv2 of each stage's rows) -> back to the owners, one collective; dq stays local
               dk, dv = local rows + returned partials, summed in float32
     (backward="staged": FFA bwd per stage, the stage's receive buffer its only keys, each stage's
-    group_reduce under the next stage's call and the host call last; more calls, each with its own
-    preprocess, dQ chained through one float32 accumulator.)
+    group_reduce under the next stage's call and the host call last; more calls, one delta computed once
+    for all of them, dQ chained through one float32 accumulator.)
 
 No group_cast depends on an attention call, so XLA's latency-hiding scheduler is free to run stage i's
 transfer under the host or stage i-1's kernel (and a staged backward's group_reduce i under FFA bwd i+1).
@@ -495,9 +495,9 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     "ppermute"); ``reduce_wire_dtype``: dtype of dK/dV partials on the wire in the backward (default: the
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "fused" (default: one FFA
     backward call over the local and all fetched keys, then the partials travel back) or "staged" (one call
-    per stage, each stage's partials travelling back under the next call; more calls, each with its own
-    preprocess, dQ summed in place in one float32 buffer; 4-8% slower than fused on 2 H200s with XLA's
-    default flags, BENCHMARKS.md); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
+    per stage, each stage's partials travelling back under the next call; more calls sharing one delta,
+    dQ summed in place in one float32 buffer; within 1% of fused forward+backward on 2 H200s, BENCHMARKS.md
+    2026-11-30 07:03); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
     free for it (flex_flash_attn's sm_margin; 0 serialises the transfer behind the call); the rest as
     flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
