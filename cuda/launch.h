@@ -7,6 +7,14 @@
 
 namespace magi_jax::cuda {
 
+// The current device's SM count: the strided grids (backward preprocess, dQ convert, range ops) size
+// themselves by it.
+inline cudaError_t CurrentDeviceSms(int* sms) {
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
 template <typename T, int D>
 cudaError_t LaunchFwd(const FwdParams& p, cudaStream_t stream);
 

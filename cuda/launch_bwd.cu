@@ -13,10 +13,8 @@ namespace {
 // The strided grid of the memory-bound kernels (flash_bwd_preprocess.h): ~60 registers a thread, so 4 CTAs
 // of 256 threads per SM at once; never more CTAs than there are iterations.
 cudaError_t StridedGrid(int64_t iterations, unsigned* grid) {
-  int device = 0, sms = 0;
-  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
-    return err;
+  int sms = 0;
+  if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
   *grid = unsigned(std::min<int64_t>(iterations, int64_t(sms) * 4));
   return cudaSuccess;
 }

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "launch.h"
 #include "range_ops_interface.h"
 
 namespace magi_jax::cuda {
@@ -176,10 +177,8 @@ cudaError_t LaunchRangeSum(cudaStream_t stream, const int32_t* ranges, int num_r
   const unsigned col_blocks = unsigned((vecs + threads - 1) / threads);
   auto launch = [&](auto kernel) -> cudaError_t {
     // As many CTAs as are resident at once (the kernel strides over the row blocks), never more than blocks.
-    int device = 0, sms = 0, per_sm = 0;
-    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-    if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)
-      return err;
+    int sms = 0, per_sm = 0;
+    if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
     if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
         err != cudaSuccess)
       return err;
