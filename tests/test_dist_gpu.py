@@ -11,8 +11,8 @@ import pytest
 import magi_jax as mj
 from magi_jax import comm, masks
 from tests.conftest import has_gpu
-from tests.test_dist_helpers import (DOCS, async_overlap, check_dist, collective_dependencies, families, mesh_of,
-                                     random_mask)
+from tests.test_dist_helpers import (DOCS, assert_packed_range_ops_equal_separate, async_overlap, check_dist,
+                                     collective_dependencies, families, mesh_of, random_mask)
 
 
 def _two_gpus() -> bool:
@@ -39,17 +39,9 @@ def test_packed_range_ops_cuda_equal_separate_ones(features):
     ranges[:, 1] = ranges[:, 0] + rng.integers(0, 30, 300)
     ranges = ranges.astype(np.int32)
     k, v = (jnp.asarray(rng.standard_normal((900, *features)), jnp.bfloat16) for _ in range(2))
-    (kv,) = jax.jit(lambda a, b: comm.range_gather([a, b], ranges, 700, packed=True))(k, v)
-    for j, want in enumerate(comm.range_gather([k, v], ranges, 700)):
-        np.testing.assert_array_equal(np.asarray(kv[:, j]), np.asarray(want))
     g = jnp.asarray(rng.standard_normal((700, 2, *features)), jnp.bfloat16)
-    sums = jax.jit(lambda y: comm.range_scatter_add([y], ranges, 900, out_dtype=jnp.float32, packed=True))(g)
-    for got, want in zip(sums, comm.range_scatter_add([g[:, 0], g[:, 1]], ranges, 900, out_dtype=jnp.float32)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     init = tuple(jnp.asarray(rng.standard_normal((900, *features)), jnp.bfloat16) for _ in range(2))
-    into = jax.jit(lambda y, a, b: comm.range_scatter_add([y], ranges, init=[a, b], packed=True))(g, *init)
-    for got, want in zip(into, comm.range_scatter_add([g[:, 0], g[:, 1]], ranges, init=init)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_packed_range_ops_equal_separate(k, v, g, init, ranges)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 import magi_jax as mj
-from magi_jax import masks
+from magi_jax import comm, masks
 from magi_jax.mask import AttnMask
 from tests.conftest import check_against_reference, random_qkv
 
@@ -204,3 +204,19 @@ def async_overlap(text: str) -> list[dict]:
                 result.append({"start": ins["name"], "done": entry[j]["name"], "ffa_between": between})
                 break
     return result
+
+
+def assert_packed_range_ops_equal_separate(k, v, g, init, ranges) -> None:
+    """packed=True range ops against separate arrays, bitwise: the gather of k, v [L_in, ...] side by side
+    in one buffer, the scatter-adds of g [L_out, 2, ...] from zero (float32) and into init (two arrays like
+    k, v) reading one packed buffer."""
+    out_len, in_len = g.shape[0], k.shape[0]
+    (kv,) = jax.jit(lambda a, b: comm.range_gather([a, b], ranges, out_len, packed=True))(k, v)
+    for j, want in enumerate(comm.range_gather([k, v], ranges, out_len)):
+        np.testing.assert_array_equal(np.asarray(kv[:, j]), np.asarray(want))
+    sums = jax.jit(lambda y: comm.range_scatter_add([y], ranges, in_len, out_dtype=np.float32, packed=True))(g)
+    for got, want in zip(sums, comm.range_scatter_add([g[:, 0], g[:, 1]], ranges, in_len, out_dtype=np.float32)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    into = jax.jit(lambda y, a, b: comm.range_scatter_add([y], ranges, init=[a, b], packed=True))(g, *init)
+    for got, want in zip(into, comm.range_scatter_add([g[:, 0], g[:, 1]], ranges, init=init)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
