@@ -80,6 +80,14 @@ def gpu_kernel_events(trace: pathlib.Path) -> dict[str, list[dict]]:
     return {name: ks for name, ks in sorted(by_gpu.items()) if ks}
 
 
+def host_events(trace: pathlib.Path) -> list[dict]:
+    """The timed events of the host's threads (every process not a GPU's) in a jax.profiler perfetto trace."""
+    data = json.load(gzip.open(trace))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and "gpu" not in names.get(e.get("pid"), "").lower()]
+
+
 def kernel_totals(events: Sequence[dict]) -> list[tuple[str, float]]:
     """(name, total microseconds) of trace events, the longest first."""
     total: dict[str, float] = {}

@@ -51,12 +51,13 @@ from magi_jax.mask import AttnMask, slice_areas  # noqa: E402
 from magi_jax.planner import make_plan  # noqa: E402
 from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
 from bench.common import (append_report, attention_flops, doc_lengths, gpu_kernel_events,  # noqa: E402
-                          kernel_totals, last_step, markdown_table, median_seconds, newest_perfetto_trace)
+                          host_events, kernel_totals, last_step, markdown_table, median_seconds,
+                          newest_perfetto_trace)
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
-# staged backward, magi with sm_margin 0 (not run by default)
-EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_staged", "magi_nomargin")
+# fused backward, magi with sm_margin 0 (not run by default)
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused", "magi_nomargin")
 
 
 def make_mask(name: str, total: int, seed: int = 0, block: int = 2048) -> AttnMask:
@@ -128,14 +129,14 @@ def _ffa(q, k, v, rows, scale):
     return ffa._ffa(q, k, v, *rows, scale, 0.0, False, 0)
 
 
-def build_magi(mask, mesh, args, transport=None, overlap=None, backward="fused", sm_margin=None):
+def build_magi(mask, mesh, args, transport=None, overlap=None, backward=None, sm_margin=None):
     overlap = (args.overlap if args.overlap == "auto" else int(args.overlap)) if overlap is None else overlap
     mp = mj.plan(mask, mesh, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
                  overlap=overlap)
     transport = transport or args.transport
     sm_margin = args.sm_margin if sm_margin is None else sm_margin
-    return (lambda q, k, v: mj.calc_attn(q, k, v, mp, transport=transport, backward=backward,
-                                         sm_margin=sm_margin)), mp
+    options = dict(transport=transport, sm_margin=sm_margin) | ({} if backward is None else dict(backward=backward))
+    return (lambda q, k, v: mj.calc_attn(q, k, v, mp, **options)), mp
 
 
 def _zigzag(mask, mesh, args) -> DistAttnPlan:
@@ -215,6 +216,19 @@ def single_share(mask, args, cp: int):
     return rows, plan.local_len, tk, area_of(tuple(x[None] for x in rows))
 
 
+def build_single(mask, args, cp: int):
+    """The single-GPU baseline: FFA on one GPU over the most loaded rank's share (single_share), on fresh
+    random inputs there. Returns (fn(q, k, v), its inputs, the share's area)."""
+    rows, tq, tk, share = single_share(mask, args, cp)
+    dev = jax.devices(args.platform)[0]
+    dtype = jnp.dtype(args.dtype)
+    keys = jax.random.split(jax.random.key(1), 3)
+    inputs = tuple(jax.device_put(jax.random.normal(kk, (t, h, args.head_dim), jnp.float32).astype(dtype), dev)
+                   for kk, t, h in zip(keys, (tq, tk, tk), (args.heads, args.kv_heads, args.kv_heads)))
+    rr = tuple(jax.device_put(jnp.asarray(x), dev) for x in rows)
+    return (lambda q, k, v: mj.flex_flash_attn(q, k, v, *rr)), inputs, share
+
+
 # ----------------------------------------------------------------------------------------------- running
 
 def fwd_bwd(fn):
@@ -245,21 +259,14 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
                 "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
                 "magi_fused": functools.partial(build_magi, overlap=0),
-                "magi_staged": functools.partial(build_magi, backward="staged"),
+                "magi_bwd_fused": functools.partial(build_magi, backward="fused"),
                 "magi_nomargin": functools.partial(build_magi, sm_margin=0)}
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n, "tokens": total, "area": area}
         try:
             if method == "single":
-                rows, tq, tk, share = single_share(mask, args, n)
-                dev = jax.devices(args.platform)[0]
-                sk = jax.random.split(jax.random.key(1), 3)
-                qs, ks, vs = (jax.device_put(jax.random.normal(kk, (t, h, args.head_dim), jnp.float32).astype(dtype),
-                                             dev)
-                              for kk, t, h in zip(sk, (tq, tk, tk), (args.heads, args.kv_heads, args.kv_heads)))
-                rr = tuple(jax.device_put(jnp.asarray(x), dev) for x in rows)
-                fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, *rr)
-                inputs, work, note = (qs, ks, vs), share, f"rank share {share / area * n:.3f} x mean"
+                fn, inputs, share = build_single(mask, args, n)
+                work, note = share, f"rank share {share / area * n:.3f} x mean"
                 row["share_area"] = share
             else:
                 fn, plan = builders[method](mask, mesh, args)
@@ -334,41 +341,48 @@ PROFILE_STEPS = 3
 
 
 def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
-    """A jax.profiler trace of magi's forward+backward (or forward alone: --profile-pass fwd) on the first
-    mask, the compiled schedule (which attention calls sit between each async transfer's start and done),
-    the kernel overlap measured in the trace (NCCL kernels running while attention kernels run), and the
-    last step's kernels in time order on each GPU."""
+    """A jax.profiler trace of PROFILE_STEPS back-to-back steps (dispatched as a training loop does, one
+    sync at the end) of magi's forward+backward (or forward alone: --profile-pass fwd; or the single-GPU
+    baseline: --profile-method single) on the first mask: for magi the compiled schedule (which attention
+    calls sit between each async transfer's start and done) and the kernel overlap measured in the trace
+    (NCCL kernels running while attention kernels run); for both the last step's kernels in time order on
+    each GPU, the GPU idle time between the last two steps and the host's longest events in that gap."""
     from tests.test_dist_helpers import async_overlap, collective_dependencies
     n = mesh.shape["cp"]
     mask = make_mask(args.masks[0], args.tokens_per_gpu * n, seed=args.seed)
-    fn, mp = build_magi(mask, mesh, args, backward=args.profile_backward)
-    dtype = jnp.dtype(args.dtype)
-    shape_q = (mp.padded_seqlen, args.heads, args.head_dim)
-    shape_k = (mp.padded_seqlen, args.kv_heads, args.head_dim)
-    sh = NamedSharding(mesh, P("cp"))
-    q, k, v = (jax.device_put(jax.random.normal(jax.random.key(i), s, jnp.float32).astype(dtype), sh)
-               for i, s in enumerate((shape_q, shape_k, shape_k)))
+    if args.profile_method == "single":
+        fn, (q, k, v), _ = build_single(mask, args, n)
+        what = "single GPU, the most loaded rank's share"
+    else:
+        fn, mp = build_magi(mask, mesh, args, backward=args.profile_backward)
+        dtype = jnp.dtype(args.dtype)
+        shape_q = (mp.padded_seqlen, args.heads, args.head_dim)
+        shape_k = (mp.padded_seqlen, args.kv_heads, args.head_dim)
+        sh = NamedSharding(mesh, P("cp"))
+        q, k, v = (jax.device_put(jax.random.normal(jax.random.key(i), s, jnp.float32).astype(dtype), sh)
+                   for i, s in enumerate((shape_q, shape_k, shape_k)))
+        what = f"backward {args.profile_backward or 'default'}, {mp!r}"
     g = fwd_bwd(fn) if args.profile_pass == "fwd+bwd" else jax.jit(fn)
-    text = g.lower(q, k, v).compile().as_text()
-    (log_dir / "hlo").mkdir(parents=True, exist_ok=True)
-    (log_dir / "hlo" / f"magi_{args.profile_pass.replace('+', '_')}.txt").write_text(text)
-    print(f"\nprofile: {args.masks[0]}, {args.profile_pass}, backward {args.profile_backward}, {mp!r}")
-    deps = collective_dependencies(text)
-    waiting = {c: d for c, d in deps.items() if d}
-    print(f"collectives: {len(deps)}, of which {len(waiting)} wait for an attention call (group_reduce: each "
-          f"should wait for its own stage's backward only)")
-    for c, d in waiting.items():
-        print(f"  {c}: {sorted(t for t in d.values())}")
-    windows = async_overlap(text)
-    print(f"async collectives in the schedule: {len(windows)}; with attention calls inside: "
-          f"{sum(bool(w['ffa_between']) for w in windows)}")
-    for w in windows:
-        print(f"  {w['start']} .. {w['done']}: {w['ffa_between']}")
+    print(f"\nprofile: {args.masks[0]}, {args.profile_method}, {args.profile_pass}, {what}")
+    if args.profile_method == "magi":
+        text = g.lower(q, k, v).compile().as_text()
+        (log_dir / "hlo").mkdir(parents=True, exist_ok=True)
+        (log_dir / "hlo" / f"magi_{args.profile_pass.replace('+', '_')}.txt").write_text(text)
+        deps = collective_dependencies(text)
+        waiting = {c: d for c, d in deps.items() if d}
+        print(f"collectives: {len(deps)}, of which {len(waiting)} wait for an attention call (group_reduce: "
+              f"each should wait for its own stage's backward only)")
+        for c, d in waiting.items():
+            print(f"  {c}: {sorted(t for t in d.values())}")
+        windows = async_overlap(text)
+        print(f"async collectives in the schedule: {len(windows)}; with attention calls inside: "
+              f"{sum(bool(w['ffa_between']) for w in windows)}")
+        for w in windows:
+            print(f"  {w['start']} .. {w['done']}: {w['ffa_between']}")
     for _ in range(3):
         jax.block_until_ready(g(q, k, v))
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
-        for _ in range(PROFILE_STEPS):
-            jax.block_until_ready(g(q, k, v))
+        jax.block_until_ready([g(q, k, v) for _ in range(PROFILE_STEPS)])
     trace = newest_perfetto_trace(log_dir)
     if trace is None:
         print("no perfetto trace written")
@@ -413,12 +427,25 @@ def step_timeline(path: pathlib.Path, steps: int) -> None:
     """Per GPU, the last of `steps` identical steps: every kernel in start order with its start (ms from the
     step's first kernel), duration, and the idle gap before it, then the step's span and idle total: where
     a step's time goes that no kernel accounts for."""
+    host = host_events(path)
     for gpu, ks in gpu_kernel_events(path).items():
         rows, span, idle = last_step(ks, steps)
         print(f"{gpu}: last step, {len(rows)} kernels")
         for start, e, gap in rows:
             print(f"  {start / 1e3:8.3f} ms  {e['dur'] / 1e3:7.3f} ms  idle before {gap / 1e3:6.3f}  {e['name'][:90]}")
         print(f"  span {span / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms")
+        if not rows:
+            continue
+        begin = rows[0][1]["ts"]
+        before = [e["ts"] + e["dur"] for e in ks if e["ts"] < begin]
+        if before:
+            end = max(before)
+            print(f"  GPU idle between the last two steps: {(begin - end) / 1e3:.3f} ms; the host's longest "
+                  f"events in it (ms inside the gap, thread, name):")
+            inside = sorted(((min(e["ts"] + e["dur"], begin) - max(e["ts"], end), e) for e in host
+                             if e["ts"] < begin and e["ts"] + e["dur"] > end), key=lambda x: -x[0])
+            for us, e in inside[:8]:
+                print(f"    {us / 1e3:7.3f}  {e.get('tid')}  {e['name'][:100]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,8 +472,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-append", action="store_true")
     ap.add_argument("--profile", type=pathlib.Path, default=None, help="trace magi fwd+bwd into this folder")
     ap.add_argument("--profile-only", action="store_true")
-    ap.add_argument("--profile-backward", default="fused", choices=dist_attn.BACKWARDS,
-                    help="the backward of the profiled magi step")
+    ap.add_argument("--profile-backward", default=None, choices=dist_attn.BACKWARDS,
+                    help="the backward of the profiled magi step (default: calc_attn's)")
+    ap.add_argument("--profile-method", default="magi", choices=["magi", "single"],
+                    help="profile magi's step or the single-GPU baseline's")
     ap.add_argument("--profile-pass", default="fwd+bwd", choices=["fwd", "fwd+bwd"],
                     help="profile magi's forward+backward step or its forward alone")
     args = ap.parse_args(argv)

@@ -10,8 +10,9 @@
 #   bash bench/dist_device_run.sh build compare         # magi variants side by side, default flags and limit 2
 #
 # Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, PROFILE_VARIANTS ("name:VAR=v VAR='v w';..."),
-# PROFILE_PASSES (default "fwd+bwd"; "fwd fwd+bwd" profiles the forward alone too),
-# COMPARE_METHODS (default "magi magi_staged magi_nomargin single"), COMPARE_CALLS (bench/dist.py --calls values,
+# PROFILE_PASSES (default "fwd+bwd"; "fwd fwd+bwd" profiles the forward alone too), PROFILE_METHODS (default
+# "magi"; "magi single" profiles the single-GPU baseline's step too),
+# COMPARE_METHODS (default "magi magi_bwd_fused magi_nomargin single"), COMPARE_CALLS (bench/dist.py --calls values,
 # one compare each; default "10"), *_TIMEOUT (seconds per step). Every step
 # is time-limited so that partial results come back.
 set -u
@@ -67,15 +68,17 @@ for s in $STEPS; do
         dir=/tmp/magi_dist_trace_$variant
         rm -rf "$dir"
         for pass in ${PROFILE_PASSES:-fwd+bwd}; do
-          echo "=== profile $variant, $pass: ${assignments[*]}" >> "$OUT/profile.log"
-          step "profile ($variant, $pass)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
-            env "${assignments[@]}" python3 bench/dist.py --profile "$dir" --profile-only --masks varlen_causal \
-            --profile-pass "$pass" ${PROFILE_ARGS:-}
+          for method in ${PROFILE_METHODS:-magi}; do
+            echo "=== profile $variant, $method, $pass: ${assignments[*]}" >> "$OUT/profile.log"
+            step "profile ($variant, $method, $pass)" "${PROFILE_TIMEOUT:-120}" "$OUT/profile.log" \
+              env "${assignments[@]}" python3 bench/dist.py --profile "$dir" --profile-only --masks varlen_causal \
+              --profile-pass "$pass" --profile-method "$method" ${PROFILE_ARGS:-}
+          done
           hlo="$dir/hlo/magi_${pass/+/_}.txt"
           [ -f "$hlo" ] && cp "$hlo" "$OUT/hlo_${variant}_${pass/+/_}.txt"
         done
       done
-      grep -E "^(===|profile|collectives|async collectives|  all|  collective|/device|.*NCCL kernels|  span)" \
+      grep -E "^(===|profile|collectives|async collectives|  all|  collective|/device|.*NCCL kernels|  span|  GPU idle)" \
         "$OUT/profile.log" >> "$SUMMARY"
       ;;
     bench)
@@ -93,7 +96,7 @@ for s in $STEPS; do
           echo "=== XLA_FLAGS='$flags' --calls $calls" >> "$OUT/compare.log"
           step "compare (XLA_FLAGS='$flags', --calls $calls)" "${COMPARE_TIMEOUT:-120}" "$OUT/compare.log" \
             env XLA_FLAGS="$flags" python3 bench/dist.py --no-append --masks varlen_causal --calls "$calls" \
-            --methods ${COMPARE_METHODS:-magi magi_staged magi_nomargin single}
+            --methods ${COMPARE_METHODS:-magi magi_bwd_fused magi_nomargin single}
         done
       done
       grep -E "^(===|\| varlen)" "$OUT/compare.log" >> "$SUMMARY"

@@ -15,16 +15,16 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
                   -- each stage's part lse-merged into the result so far by the kernel, in place; the
                      receive buffer read as is (K and V packed)
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
-              FFA bwd(local q, keys local kv + the receive buffers as a second source, fused slices)
-                  -> dq, dk, dv of the local keys, dkv2 of the received ones (dK and dV packed)
-              group_reduce(dkv2 of each stage's rows) -> back to the owners, one collective; dq stays local
-              dk, dv = local rows + returned partials, summed in float32
-    (backward="staged": FFA bwd per stage, the stage's receive buffer its only keys, each stage's
-    group_reduce under the next stage's call and the host call last; more calls, one delta computed once
-    for all of them, dQ chained through one float32 accumulator.)
+              delta = rowsum(out * dout)                  -- once, shared by every call
+              FFA bwd(local q, stage i receive buffer, stage i slices) -> dq (float32, chained), dkv_i
+              group_reduce(dkv_i) -> back to the owners      -- under the next call
+              FFA bwd(local q, local kv, host slices) -> dq, dk, dv of the local keys   -- last
+              dk, dv = local rows + returned partials, summed in float32; dq stays local
+    (backward="fused": one FFA bwd over the local keys and every receive buffer as a second key source,
+    then all partials travel back after it, not overlapped.)
 
 No group_cast depends on an attention call, so XLA's latency-hiding scheduler is free to run stage i's
-transfer under the host or stage i-1's kernel (and a staged backward's group_reduce i under FFA bwd i+1).
+transfer under the host or stage i-1's kernel (and the staged backward's group_reduce i under FFA bwd i+1).
 A plan of overlap degree 0 fetches everything in one stage and runs one fused call over
 ``concat(local kv, received kv)`` in the forward too.
 """
@@ -462,7 +462,7 @@ def _attn_fwd(q, k, v, cfg):
 _attn.defvjp(_attn_fwd, _backward)
 
 
-BACKWARDS = ("fused", "staged")
+BACKWARDS = ("staged", "fused")
 # The forward's persistent grid holds every SM until it ends, so a group_cast launched beside it would wait
 # for it; leaving a few SMs free lets NCCL's kernel run (MagiAttention observes 4-8 suffice for all-to-all).
 SM_MARGIN = 8
@@ -484,7 +484,7 @@ def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministi
 
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
-                    transport: str = "auto", reduce_wire_dtype=None, backward: str = "fused",
+                    transport: str = "auto", reduce_wire_dtype=None, backward: str = "staged",
                     sm_margin: int = SM_MARGIN
                     ) -> tuple[jax.Array, jax.Array]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
@@ -493,11 +493,11 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     dim [B, L, ...] (every batch element has the plan's mask). Returns out [.., L, Hq, D] in q's dtype and
     lse [.., L, Hq] float32. Options: ``transport`` of the group collectives ("auto", "all_to_all",
     "ppermute"); ``reduce_wire_dtype``: dtype of dK/dV partials on the wire in the backward (default: the
-    kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "fused" (default: one FFA
-    backward call over the local and all fetched keys, then the partials travel back) or "staged" (one call
-    per stage, each stage's partials travelling back under the next call; more calls sharing one delta,
-    dQ summed in place in one float32 buffer; within 1% of fused forward+backward on 2 H200s, BENCHMARKS.md
-    2026-11-30 07:03); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
+    kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "staged" (default: one FFA
+    backward call per stage and the local keys' call last, each stage's partials travelling back under the
+    next call; the calls share one delta, dQ summed in place in one float32 buffer) or "fused" (one call
+    over the local and all fetched keys, then the partials travel back, not overlapped; 1-2% slower
+    forward+backward on 2 H200s, BENCHMARKS.md 2026-11-30 08:23); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
     free for it (flex_flash_attn's sm_margin; 0 serialises the transfer behind the call); the rest as
     flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""

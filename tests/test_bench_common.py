@@ -10,8 +10,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import bench.common  # noqa: E402
-from bench.common import (gpu_kernel_events, kernel_totals, last_step, median_seconds,  # noqa: E402
-                          newest_perfetto_trace)
+from bench.common import (gpu_kernel_events, host_events, kernel_totals, last_step,  # noqa: E402
+                          median_seconds, newest_perfetto_trace)
 
 
 def test_median_seconds_is_per_call_over_back_to_back_calls(monkeypatch):
@@ -49,6 +49,7 @@ def test_gpu_kernel_events_and_totals(tmp_path):
     assert list(by_gpu) == ["/device:GPU:0"]        # GPU 1 has no timed event, the host is not a GPU
     assert [e["name"] for e in by_gpu["/device:GPU:0"]] == ["flash", "nccl", "flash"]
     assert kernel_totals(by_gpu["/device:GPU:0"]) == [("flash", 9.0), ("nccl", 2.0)]
+    assert [e["name"] for e in host_events(trace)] == ["host op"]     # timed, of a process not a GPU's
     assert newest_perfetto_trace(tmp_path / "empty") is None
 
 
