@@ -53,6 +53,10 @@ struct BwdSm90Params {
   // (a CTA's keys come from one source); INT_MAX without a second source.
   CUtensorMap k2_map, v2_map, dk2_map, dv2_map;
   int split_row;
+  // The CTAs' tiles, k block + num_kb * kv head, in the grid's linear order: longest first in L2 sections
+  // (launch_bwd_sm90.cu); nullptr: the grid's own order (k block blockIdx.x, kv head blockIdx.y).
+  const int32_t* tiles;
+  int num_kb;
   BwdParams base;
 };
 
@@ -132,14 +136,24 @@ struct BwdSm90Step {
 constexpr int32_t kStepEnd = 4;  // no step: the walk is over (a row_full phase without data)
 
 // Barrier region layout (Tile::kBarBytes): the mbarriers, then the steps, then per consumer warpgroup the
-// (q head, first row) of its dQ box in flight.
+// (q head, first row) of its dQ box in flight, then the CTA's (k block, kv head).
 template <int kStages>
 struct BwdSm90Region {
   static constexpr uint32_t kStepOffset = 64;
   static constexpr uint32_t kDqCoordOffset = kStepOffset + kStages * sizeof(BwdSm90Step);
-  static constexpr uint32_t kBytes = kDqCoordOffset + 2 * 8;
+  static constexpr uint32_t kTileOffset = kDqCoordOffset + 2 * 8;
+  static constexpr uint32_t kBytes = kTileOffset + 8;
   static_assert(sizeof(BwdSm90Barriers<kStages>) <= kStepOffset, "mbarriers fit before the steps");
 };
+
+// The CTA's k block (field 0) or kv head (field 1), which thread 0 decodes into the barrier region
+// (kTileOffset) at the start. Read where used, by a volatile load: held in registers across the consumer loop
+// (at R229 of its 232), they put the kernels into spills.
+MAGI_DEV int CtaTile(uint32_t tile_addr, int field) {
+  int v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(tile_addr + 4u * field) : "memory");
+  return v;
+}
 
 // ------------------------------------------------------------------------------- per-step math (both consumers)
 // A consumer thread (g, t) of warp wwarp holds S^T / dP^T for keys k0 + 16 wwarp + g (+ 8) x the step's rows
@@ -235,7 +249,7 @@ MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const fl
 }
 
 template <typename T, int D, bool kDq>
-MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, int kb, int hk, int cw) {
+MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
   using Tile = BwdSm90Tile<D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
   constexpr int kHalfM = BM / 2, kHalfD = D / 2, DT = kHalfD / 8, NT = kHalfM / 8;
@@ -257,7 +271,6 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
   const bool softcap = bp.softcap > 0.0f;
   const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
-  const int64_t c0 = int64_t(kb) * BN;  // the CTA's first key
 
   // S^T = K Q^T, dP^T = V dO^T: A = K / V (all 64 keys, K-major), B = the warpgroup's 32 rows of the Q / dO
   // stage (K-major; 32 rows = 4 KB, swizzle-atom aligned).
@@ -309,7 +322,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     WgmmaWait<1>();  // S^T has landed, dP^T still runs
     FenceRegs(s[0]);
     if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
-    MaskStep<NT>(s, steps[ps.stage], c0, BN, rb + row0, wwarp, g, t);
+    MaskStep<NT>(s, steps[ps.stage], int64_t(CtaTile(tile_addr, 0)) * BN, BN, rb + row0, wwarp, g, t);
     if (!softcap) ExpScores<NT>(s, lse_s, t, scale_log2);
     WgmmaWait<0>();  // dP^T has landed
     FenceRegs(dp[0]);
@@ -394,6 +407,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
   if (wtid == 0) {
+    const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 1);
     const KeySource src = CtaKeySource(p, int64_t(kb) * BN);
 #pragma unroll
     for (int c = 2 * cw; c < 2 * cw + 2; ++c) {
@@ -429,7 +443,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
   const BwdParams& bp = p.base;
   const SliceArgs& args = bp.slices;
-  const int kb = int(blockIdx.x), hk = int(blockIdx.y), group = bp.hq / bp.hkv;
+  const int group = bp.hq / bp.hkv;
+  int* tile_kh = reinterpret_cast<int*>(smem + Tile::kBarOffset + Region::kTileOffset);
+  const uint32_t tile_addr = SmemAddr(tile_kh);
 
   if (tid == 0) {
     MbarInit(&bars.kv_full, 1);
@@ -438,6 +454,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       MbarInit(&bars.row_empty[i], Tile::kConsumerWarpgroups);
     }
     MbarInitFence();
+    // The CTA's tile, decoded once for all threads.
+    const int64_t cta = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+    const int tile = p.tiles != nullptr ? p.tiles[cta] : int(cta);
+    tile_kh[0] = tile % p.num_kb;
+    tile_kh[1] = tile / p.num_kb;
   }
   __syncthreads();
 
@@ -445,6 +466,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // ------------------------------------------------------------------------------------------ producer
     SetMaxRegsDec<Tile::kProducerRegs>();
     if (warp != 0) return;
+    const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 1);
     const int64_t c0 = int64_t(kb) * BN, c1 = c0 + BN;
     if (lane == 0) {
       PrefetchTensorMap(&p.q_map);
@@ -516,7 +538,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // Head dim 256: the split-D consumers. An early return rather than an else around the code below: that
     // code is instantiated for D 256 too but never reached (and dropped), and the D 64 / 128 kernels compile
     // from exactly the source they had (an else block changed their register allocation).
-    BwdSm90SplitDConsumer<T, D, kDq>(p, smem, kb, hk, wg - 1);
+    BwdSm90SplitDConsumer<T, D, kDq>(p, smem, tile_addr, wg - 1);
     return;
   }
   constexpr int DT = D / 8;
@@ -633,7 +655,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     WgmmaWait<1>();
     FenceRegs(s[0]);
     if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
-    MaskStep<8>(s, steps[ps.stage], int64_t(kb) * BN + cw * WK, WK, rb, wwarp, g, t);  // the warpgroup's keys
+    const int64_t k0 = int64_t(CtaTile(tile_addr, 0)) * BN + cw * WK;  // the warpgroup's keys
+    MaskStep<8>(s, steps[ps.stage], k0, WK, rb, wwarp, g, t);
     if (!softcap) ExpScores<8>(s, lse_s, t, scale_log2);
     WgmmaWait<0>();  // dP^T has landed: nothing in flight
     FenceRegs(dp[0]);
@@ -754,6 +777,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
   if (wtid == 0) {
+    const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 1);
     const KeySource src = CtaKeySource(p, int64_t(kb) * BN);
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {

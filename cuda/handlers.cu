@@ -282,8 +282,9 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
   const size_t accum_elems = deterministic ? 0 : size_t(rows) * size_t(dims->d);
   // Chained (dq_f32): the accumulator is dq itself, holding dq_in at the start; else scratch, from zero.
+  const int64_t order_ints = sm90 ? BwdSm90ScratchInts(dims->tk, dims->hkv) : 0;
   const size_t bytes = Carver::Round(rows * 4) + k_sizes.Bytes() + (deterministic ? q_sizes.Bytes() : 0) +
-                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4));
+                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4)) + Carver::Round(order_ints * 4);
   auto carver_or = Carver::Allocate(scratch, bytes);
   if (!carver_or.has_value())
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the backward");
@@ -306,6 +307,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.scale = softmax_scale;
   p.softcap = softcap;
   p.delta = carver.Take<float>(rows);
+  int32_t* sm90_order = sm90 ? carver.Take<int32_t>(order_ints) : nullptr;
   int64_t* k_offsets;
   int32_t* k_ids;
   p.k_lists = TakeLists(carver, k_sizes, kAxisK, kKBlock, &k_offsets, &k_ids);
@@ -352,7 +354,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     if (delta_err != cudaSuccess) return CudaFailure("delta", delta_err);
     bool enqueued = false;  // dK, dV and dQ's reduce-adds, by the sm90 kernel on both key sources
     if (split.row >= 0 && sm90 && !deterministic) {
-      const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, stream, split);
+      const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream, split);
       if (err != cudaSuccess && err != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", err);
       enqueued = err == cudaSuccess;
     }
@@ -388,7 +390,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
           if (cudaError_t e = cudaMemsetAsync(p.dk, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dk", e);
           if (cudaError_t e = cudaMemsetAsync(p.dv, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dv", e);
         } else {
-          const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, stream);
+          const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream);
           if (err == cudaErrorNotSupported)
             return ffi::Error::InvalidArgument(
                 "q: head_dim 256 runs on the sm90 (TMA) backward only, which needs q, k, v, dout, dk, dv 16-byte "
@@ -404,7 +406,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         // mma.sync dk/dv kernel runs.
         cudaError_t dkdv = cudaErrorNotSupported;
         if (sm90) {
-          dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, stream);
+          dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, sm90_order, stream);
           if (dkdv != cudaSuccess && dkdv != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", dkdv);
         }
         if (dkdv == cudaErrorNotSupported) {

@@ -40,9 +40,11 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
 // by TMA reduce-adds when reduce_dq (else dq comes from LaunchBwdDq). Returns cudaErrorNotSupported, having
 // enqueued nothing, when the inputs do not suit TMA: the caller then runs LaunchBwdDkDv. `split`: a second
 // key source (KeySplit); its row must be a multiple of the kernel's keys per CTA (BwdSm90Tile<D>::kBlockN:
-// 128, 64 at D 256), else cudaErrorNotSupported.
+// 128, 64 at D 256), else cudaErrorNotSupported. scratch: BwdSm90ScratchInts(tk, hkv) int32 of device memory
+// (the CTAs' longest-first tile order).
+int64_t BwdSm90ScratchInts(int64_t tk, int64_t hkv);
 template <typename T, int D>
-cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream,
+cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scratch, cudaStream_t stream,
                               const KeySplit& split = KeySplit{});
 
 template <typename T>

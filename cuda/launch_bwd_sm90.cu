@@ -1,14 +1,99 @@
 // The sm90 backward's dK/dV launcher (flash_bwd_sm90_kernel.h): tensor maps built on the host from device
-// pointers and static shapes (no synchronisation), a grid of (k blocks, kv heads), the instantiations
-// (bf16, fp16) x (D 64, 128, 256) x (dQ by TMA reduce-add or not). D 256: 64-key CTAs (BwdSm90Tile::kSplitD).
+// pointers and static shapes (no synchronisation), the tile order, a grid of (k blocks, kv heads), the
+// instantiations (bf16, fp16) x (D 64, 128, 256) x (dQ by TMA reduce-add or not). D 256: 64-key CTAs
+// (BwdSm90Tile::kSplitD).
+//
+// Tile order: one CTA per (k block, kv head), taken by the hardware in grid order. In k-block order, head
+// after head, the last head's heaviest k blocks started when most of the grid was done and trailed it: a
+// stage call of the distributed backward, whose remote keys' work is very uneven, by ~8%, shared question
+// 16k by ~13% (the host model cuda/tools/sched_sim.py --pass bwd). So the CTAs take their tiles from a list
+// built on the device, as the forward's scheduler orders its own (tile_order.h): k blocks longest first
+// (work: KvBlockWork, the CTA's row steps), kv heads in L2 sections whose Q and dO fit L2SectionBudget (the
+// CTAs in flight share them), the last section wider. MAGI_JAX_SM90_BWD_ORDER=grid keeps the grid's order
+// (bench/kernel.py ffa_bwd_grid).
+#include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 
 #include "flash_bwd_sm90_kernel.h"
 #include "launch.h"
+#include "tile_order.h"
 #include "tma_map.h"
 
 namespace magi_jax::cuda {
 namespace {
+
+constexpr int kWorkWarps = 8;
+constexpr int kTileThreads = 256;
+
+// work[kb] = KvBlockWork of k block kb (BN keys); stats[0] += it, stats[1] = the largest. A warp per k block.
+template <int BN>
+__global__ void __launch_bounds__(kWorkWarps * 32) BwdWorkKernel(SliceArgs args, BlockLists lists, int num_kb,
+                                                                 int group, int32_t* work, unsigned long long* stats) {
+  const int kb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
+  if (kb >= num_kb) return;  // whole warps leave together
+  const SliceWalk walk(args, lists, kb / (kKBlock / BN));
+  const int64_t c0 = int64_t(kb) * BN;
+  const int w = KvBlockWork(walk, args, c0, c0 + BN, group, BwdSm90Tile<128>::kBlockM);
+  if ((threadIdx.x & 31) == 0) {
+    work[kb] = w;
+    atomicAdd(&stats[0], static_cast<unsigned long long>(w));
+    atomicMax(&stats[1], static_cast<unsigned long long>(w));
+  }
+}
+
+// tiles[t] = k block + num_kb * kv head of the grid's t-th CTA (SectionTile over kv heads, sections of `per`).
+__global__ void __launch_bounds__(kTileThreads) BwdTilesKernel(const int32_t* order, int num_kb, int hkv, int per,
+                                                               const unsigned long long* stats, int ctas,
+                                                               int32_t* tiles) {
+  const int64_t t = int64_t(blockIdx.x) * kTileThreads + threadIdx.x;
+  if (t >= int64_t(num_kb) * hkv) return;
+  const int tail_first = TailFirstHead(hkv, 1, per, stats[0], stats[1], ctas);
+  int kb, hk;
+  SectionTile(order, num_kb, hkv, per, tail_first, int(t), &kb, &hk);
+  tiles[t] = kb + num_kb * hk;
+}
+
+bool GridOrderFromEnv() {
+  const char* env = std::getenv("MAGI_JAX_SM90_BWD_ORDER");
+  return env != nullptr && std::strcmp(env, "grid") == 0;
+}
+
+// The order's scratch, in int32: [stats: 2 x uint64][work: num_kb][order: num_kb][tiles: num_kb x hkv].
+int64_t OrderInts(int64_t num_kb, int64_t hkv) { return 4 + 2 * num_kb + num_kb * hkv; }
+
+// Enqueues the longest-first tile list into scratch and returns it (sp.tiles); nullptr when the grid keeps
+// its own order (MAGI_JAX_SM90_BWD_ORDER=grid, or more tiles than int32 indexes).
+template <int BN>
+cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes, int32_t* scratch,
+                           cudaStream_t stream, const int32_t** tiles_out) {
+  *tiles_out = nullptr;
+  if (GridOrderFromEnv() || int64_t(num_kb) * p.hkv >= INT_MAX) return cudaSuccess;
+  int device = 0, sms = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
+  const int group = p.hq / p.hkv;
+  // kv heads per section: their Q and dO, all tq rows of the group's q heads, fit the budget; at least one.
+  const int64_t head_bytes = std::max<int64_t>(1, int64_t(p.slices.tq) * d * elem_bytes * 2 * group);
+  const int per = int(std::clamp<int64_t>(L2SectionBudget(device) / head_bytes, 1, p.hkv));
+  auto* stats = reinterpret_cast<unsigned long long*>(scratch);
+  int32_t* work = scratch + 4;
+  int32_t* order = work + num_kb;
+  int32_t* tiles = order + num_kb;
+  if (cudaError_t err = cudaMemsetAsync(stats, 0, 2 * sizeof(unsigned long long), stream); err != cudaSuccess)
+    return err;
+  BwdWorkKernel<BN><<<(num_kb + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(p.slices, p.k_lists,
+                                                                                          num_kb, group, work, stats);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (cudaError_t err = LaunchLongestFirst(work, num_kb, false, order, stream); err != cudaSuccess) return err;
+  const int64_t num_tiles = int64_t(num_kb) * p.hkv;
+  BwdTilesKernel<<<unsigned((num_tiles + kTileThreads - 1) / kTileThreads), kTileThreads, 0, stream>>>(
+      order, num_kb, p.hkv, per, stats, sms, tiles);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  *tiles_out = tiles;
+  return cudaSuccess;
+}
 
 // The fp32 dq accumulator [t, h, d] as (32, d / 32, h, t) in boxes of (32, box_cols / 32, 1, box_rows):
 // box_cols (64; head dim 256: 32) columns of box_rows rows in 128-byte lines ordered (row, 32-column chunk),
@@ -27,8 +112,12 @@ bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map
 
 }  // namespace
 
+// Worst case over the head dims: 64-key CTAs (D 256).
+int64_t BwdSm90ScratchInts(int64_t tk, int64_t hkv) { return OrderInts((tk + 63) / 64, hkv); }
+
 template <typename T, int D>
-cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t stream, const KeySplit& split) {
+cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scratch, cudaStream_t stream,
+                              const KeySplit& split) {
   using Tile = BwdSm90Tile<D>;
   const int num_blocks = NumBlocks(p.slices.tk, Tile::kBlockN);
   if (num_blocks == 0 || p.hkv == 0) return cudaSuccess;
@@ -68,19 +157,29 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, cudaStream_t s
                                                                  Tile::kDqBoxCols, Tile::kBlockM)))
     return cudaErrorNotSupported;
   sp.base = p;
+  sp.num_kb = num_blocks;
   auto kernel = reduce_dq ? FlashBwdSm90Kernel<T, D, true> : FlashBwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+      err != cudaSuccess)
+    return err;
+  if (cudaError_t err = BuildTileOrder<Tile::kBlockN>(p, num_blocks, D, int(sizeof(T)), scratch, stream, &sp.tiles);
       err != cudaSuccess)
     return err;
   kernel<<<dim3(num_blocks, p.hkv), Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
   return cudaGetLastError();
 }
 
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 64>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 128>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__half, 64>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__half, 128>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 256>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__half, 256>(const BwdParams&, bool, cudaStream_t, const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 64>(const BwdParams&, bool, int32_t*, cudaStream_t,
+                                                                     const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 128>(const BwdParams&, bool, int32_t*, cudaStream_t,
+                                                                     const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__half, 64>(const BwdParams&, bool, int32_t*, cudaStream_t,
+                                                                     const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__half, 128>(const BwdParams&, bool, int32_t*, cudaStream_t,
+                                                                     const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 256>(const BwdParams&, bool, int32_t*, cudaStream_t,
+                                                                     const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__half, 256>(const BwdParams&, bool, int32_t*, cudaStream_t,
+                                                                     const KeySplit&);
 
 }  // namespace magi_jax::cuda

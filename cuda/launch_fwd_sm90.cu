@@ -1,5 +1,6 @@
 // The sm90 forward's launcher: tensor maps (built here on the host from device pointers and static shapes:
-// no synchronisation), the longest-first tile order (two small kernels), the persistent grid, and the
+// no synchronisation), the longest-first tile order (two small kernels: work here, the sort tile_order.cu),
+// the persistent grid, and the
 // instantiations (bf16, fp16) x (D 64, 128, 256).
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -11,6 +12,7 @@
 
 #include "flash_fwd_sm90_kernel.h"
 #include "launch.h"
+#include "tile_order.h"
 #include "tma_map.h"
 
 namespace magi_jax::cuda {
@@ -36,50 +38,6 @@ __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args,
 }
 
 
-// order = q blocks by decreasing work: a counting sort over kBuckets buckets (work clamped) in one CTA; ties
-// in any order (that changes when a block runs, never its result). With `last_first`, no sort: q blocks
-// last to first (work is not read).
-constexpr int kOrderThreads = 1024;
-constexpr int kBuckets = 4096;
-
-__global__ void __launch_bounds__(kOrderThreads) FwdOrderKernel(const int32_t* work, int num_blocks,
-                                                                   bool last_first, int32_t* order) {
-  __shared__ int count[kBuckets];
-  __shared__ int partial[kOrderThreads];
-  constexpr int kPer = kBuckets / kOrderThreads;
-  const int tid = threadIdx.x;
-  if (last_first) {
-    for (int x = tid; x < num_blocks; x += kOrderThreads) order[x] = num_blocks - 1 - x;
-    return;
-  }
-  for (int b = tid; b < kBuckets; b += kOrderThreads) count[b] = 0;
-  __syncthreads();
-  // Bucket kBuckets - 1 - min(work, kBuckets - 1): the largest work lands first.
-  for (int x = tid; x < num_blocks; x += kOrderThreads)
-    atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1);
-  __syncthreads();
-  // Exclusive scan of count: each thread sums kPer consecutive buckets, a Hillis-Steele scan of the sums.
-  int local = 0;
-  for (int i = 0; i < kPer; ++i) local += count[tid * kPer + i];
-  partial[tid] = local;
-  __syncthreads();
-  for (int stride = 1; stride < kOrderThreads; stride *= 2) {
-    const int add = tid >= stride ? partial[tid - stride] : 0;
-    __syncthreads();
-    partial[tid] += add;
-    __syncthreads();
-  }
-  int run = partial[tid] - local;
-  for (int i = 0; i < kPer; ++i) {
-    const int c = count[tid * kPer + i];
-    count[tid * kPer + i] = run;
-    run += c;
-  }
-  __syncthreads();
-  for (int x = tid; x < num_blocks; x += kOrderThreads)
-    order[atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1)] = x;
-}
-
 // MAGI_JAX_SM90_SCHED, for measuring the scheduler's share (bench/kernel.py ffa_natural, ffa_grid): "lpt"
 // (default: persistent, longest first), "natural" (persistent, q blocks last-first), "grid" (one CTA per
 // tile, last-first: not persistent).
@@ -92,18 +50,10 @@ Sched SchedFromEnv() {
   return Sched::kLpt;
 }
 
-// Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V, all tk keys of them, fill at
-// most half of L2 (MAGI_JAX_SM90_L2_BYTES overrides that budget, for tests and measurements); at least one
-// group.
+// Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V, all tk keys of them, fit
+// L2SectionBudget; at least one group.
 int SectionHeads(const FwdParams& p, int d, int elem_bytes, int device) {
-  int64_t budget = 0;
-  if (const char* env = std::getenv("MAGI_JAX_SM90_L2_BYTES")) {
-    budget = std::atoll(env);
-  } else {
-    int l2 = 0;
-    if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess) l2 = 0;
-    budget = l2 / 2;
-  }
+  const int64_t budget = L2SectionBudget(device);
   const int group = p.hq / p.hkv;
   const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.slices.tk) * d * elem_bytes * 2);
   const int64_t kv_heads = std::clamp<int64_t>(budget / kv_head_bytes, 1, p.hkv);
@@ -155,8 +105,8 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
         p.slices, p.lists, num_blocks, work, stats);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   }
-  FwdOrderKernel<<<1, kOrderThreads, 0, stream>>>(work, num_blocks, sched != Sched::kLpt, order);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (cudaError_t err = LaunchLongestFirst(work, num_blocks, sched != Sched::kLpt, order, stream); err != cudaSuccess)
+    return err;
 
   sp.base = p;
   sp.order = order;

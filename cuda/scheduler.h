@@ -48,6 +48,17 @@ MAGI_DEV void StartSlice(const SliceWalk& walk, const SliceArgs& a, int64_t c0, 
   st->cur = -1;
 }
 
+// The steps of a dk/dv CTA over keys [c0, c1) (the walk above), plus one for its K / V loads and dK / dV
+// stores: the work of the sm90 backward's longest-first order (launch_bwd_sm90.cu). Warp-collective.
+MAGI_DEV int KvBlockWork(const SliceWalk& walk, const SliceArgs& a, int64_t c0, int64_t c1, int group, int block_m) {
+  int work = 1;
+  KvStep st;
+  for (StartSlice(walk, a, c0, c1, walk.First(a), &st); st.cur >= 0;
+       StartSlice(walk, a, c0, c1, walk.Next(a, st.cur), &st))
+    work += group * int((st.re_all - st.rb_all + block_m - 1) / block_m);
+  return work;
+}
+
 MAGI_DEV void AdvanceStep(const SliceWalk& walk, const SliceArgs& a, int64_t c0, int64_t c1, int group,
                           int block_m, KvStep* st) {
   st->rb += block_m;

@@ -12,8 +12,8 @@
 // CTA: LPT over those heads, the L2 locality of the sections kept for the rest.
 // `order` lists the q blocks by decreasing work, work being the number
 // of key tiles the block's slices visit (plus one for the epilogue), built on the device from the q-block
-// slice lists by two small kernels: FwdWorkKernel (a warp per q block) and FwdOrderKernel (one CTA, a counting
-// sort into kBuckets buckets; ties in any order, which changes when a tile runs, never its result).
+// slice lists by two small kernels: FwdWorkKernel (a warp per q block) and LaunchLongestFirst's counting sort
+// (one CTA, tile_order.cu; ties in any order, which changes when a tile runs, never its result).
 // The grid is one CTA per SM; CTA b starts with tile b and then takes gridDim.x + atomicAdd(counter, 1):
 // greedy longest-processing-time-first, the classic 4/3-approximation of the optimal makespan.
 #pragma once
@@ -23,6 +23,7 @@
 #include "block_lists.h"
 #include "mask.h"
 #include "params.h"
+#include "tile_order.h"
 
 namespace magi_jax::cuda {
 
@@ -112,41 +113,14 @@ struct FwdTileRecord {
   }
 };
 
-// The last section's work, in units of the longest tile's per CTA (the model: <= 0.5% over the LPT bound
-// on the bench cases with 1.5, against up to 10% with plain sections).
-constexpr float kTailWaves = 1.5f;
-
-// The first head of the wider last section: a multiple of section_heads, so that the sections before it
-// are whole.
+// The first head of the wider last section (tile_order.h).
 MAGI_DEV int TailSectionStart(const FwdSm90Params& p, int ctas) {
-  const int hq = p.base.hq, group = hq / p.base.hkv, per = p.section_heads;
-  const unsigned long long total = p.work_stats[0], longest = p.work_stats[1];
-  int tail = per;
-  if (total > 0) {
-    const double heads = ceil(double(kTailWaves) * ctas * double(longest) / double(total));
-    const int need = heads >= hq ? hq : (int(heads) + group - 1) / group * group;
-    tail = max(tail, need);
-  }
-  return tail >= hq ? 0 : (hq - tail) / per * per;
+  return TailFirstHead(p.base.hq, p.base.hq / p.base.hkv, p.section_heads, p.work_stats[0], p.work_stats[1], ctas);
 }
 
-// Tile t -> (q block, head), the sections before tail_first of section_heads heads, then one of the rest.
+// Tile t -> (q block, head) (tile_order.h SectionTile).
 MAGI_DEV void DecodeTile(const FwdSm90Params& p, int tail_first, int t, int* qb, int* h) {
-  const int hq = p.base.hq, num_blocks = p.num_tiles / hq;
-  const int regular = tail_first * num_blocks;  // tiles in the regular sections
-  int first, heads, i;
-  if (t < regular) {
-    const int per_section = num_blocks * p.section_heads, section = t / per_section;
-    first = section * p.section_heads;
-    heads = p.section_heads;
-    i = t - section * per_section;
-  } else {
-    first = tail_first;
-    heads = hq - tail_first;
-    i = t - regular;
-  }
-  *qb = p.order[i / heads];
-  *h = first + i % heads;
+  SectionTile(p.order, p.num_tiles / p.base.hq, p.base.hq, p.section_heads, tail_first, t, qb, h);
 }
 
 }  // namespace magi_jax::cuda

@@ -1,4 +1,5 @@
-"""cuda/tools/sass_samples.py on a made-up Nsight Compute source page: no GPU needed."""
+"""cuda/tools/sass_samples.py on a made-up Nsight Compute source page, and cuda/tools/sched_sim.py's backward
+model on small masks: no GPU needed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda" / "tools"))
 from sass_samples import instruction_class, summary  # noqa: E402
+from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
+
+from magi_jax import masks  # noqa: E402
+from magi_jax.mask import AttnMask  # noqa: E402
 
 
 def test_instruction_classes_read_the_opcode_after_a_predicate():
@@ -37,3 +42,20 @@ def test_summary_shares_and_top_lines(tmp_path):
     assert "50.0%" in rows["gemm"] and "40.0%" in rows["gemm"]        # 1000 of 2000; 400 of 1000 not issued
     assert "37.5%" in rows["exp"] and "66.7%" in rows["exp"]          # 750; 500 of 750
     assert lines[-2:] == [" 50.0%  HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], RZ", " 25.0%  MUFU.EX2 R1, R1"]
+
+
+def test_kv_block_work_counts_the_row_steps_of_each_k_block():
+    # Causal 256 x 256: keys 0-127 are seen by rows 0-255 (4 steps of 64), keys 128-255 by rows 128-255 (2).
+    assert kv_block_work(AttnMask([[0, 256]], [[0, 256]], ["causal"], 256, 256)).tolist() == [4, 2]
+    # Full 100 x 300: every k block (the last one partial) by all 100 rows, 2 steps.
+    assert kv_block_work(AttnMask([[0, 100]], [[0, 300]], ["full"], 100, 300)).tolist() == [2, 2, 2]
+    # Inverse causal 256 x 256: keys 0-127 by rows 0-127, keys 128-255 by all rows.
+    assert kv_block_work(AttnMask([[0, 256]], [[0, 256]], ["inv_causal"], 256, 256)).tolist() == [2, 4]
+
+
+def test_bwd_longest_first_order_closes_the_grid_orders_tail():
+    # One long document and many short ones: in the grid's order the last head's heavy k blocks start late.
+    work = kv_block_work(masks.varlen_causal([8192] + [512] * 16))
+    bound, grid, kernel = bwd_makespans(work, heads=16, per=1, sms=132, tile_cost=1.0)
+    assert grid > 1.02 * bound
+    assert kernel < 1.01 * bound

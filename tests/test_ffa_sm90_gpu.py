@@ -132,6 +132,49 @@ def test_l2_sections_give_the_same_bits(hq, hkv, monkeypatch):
             np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+# The backward's tile orders (cuda/launch_bwd_sm90.cu): longest first with the default L2 sections, one kv
+# head per section (L2_BYTES=1, the last section wider), one section of all heads (L2_BYTES huge), and the
+# grid's own order (MAGI_JAX_SM90_BWD_ORDER=grid).
+BWD_ORDERS = {"default": {}, "sections_of_one": {"MAGI_JAX_SM90_L2_BYTES": "1"},
+              "one_section": {"MAGI_JAX_SM90_L2_BYTES": str(1 << 50)}, "grid": {"MAGI_JAX_SM90_BWD_ORDER": "grid"}}
+
+
+@pytest.mark.parametrize("order", sorted(BWD_ORDERS))
+@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (6, 3, 64), (4, 4, 256)])
+def test_backward_tile_orders_against_reference(order, hq, hkv, d, monkeypatch):
+    # Documents of very different lengths: very uneven k blocks, many more CTAs than SMs at D 64 / 128.
+    for name, value in BWD_ORDERS[order].items():
+        monkeypatch.setenv(name, value)
+    run_case(masks.varlen_causal([5000, 300, 2000, 900]), hq=hq, hkv=hkv, d=d, seed=21)
+
+
+@pytest.mark.parametrize("hq, hkv", [(8, 2), (4, 4)])
+def test_backward_tile_orders_give_the_same_dk_dv(hq, hkv, monkeypatch):
+    # A CTA owns its keys' dK and dV whenever it runs: the same bits in every order. dQ is summed by reduce-adds
+    # from all CTAs of a row, in an order that changes with the tiles', so it agrees to rounding.
+    rng = np.random.default_rng(15)
+    mask = masks.varlen_causal([3000, 1024, 200, 2900])
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hkv, 128, jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    qr, kr, types = mask.kernel_args()
+
+    def grads():
+        _, vjp = jax.vjp(lambda q, k, v: mj.flex_flash_attn(q, k, v, qr, kr, types)[0], q, k, v)
+        return [np.asarray(g, np.float32) for g in vjp(dout)]
+
+    with monkeypatch.context() as m:
+        m.setenv("MAGI_JAX_SM90_BWD_ORDER", "grid")
+        want = grads()
+    for order in ("default", "sections_of_one", "one_section"):
+        with monkeypatch.context() as m:
+            for name, value in BWD_ORDERS[order].items():
+                m.setenv(name, value)
+            dq, dk, dv = grads()
+        np.testing.assert_array_equal(dk.view(np.uint32), want[1].view(np.uint32))
+        np.testing.assert_array_equal(dv.view(np.uint32), want[2].view(np.uint32))
+        np.testing.assert_allclose(dq, want[0], rtol=2e-2, atol=2e-2 * np.abs(want[0]).max())
+
+
 def test_forward_is_bitwise_repeatable():
     rng = np.random.default_rng(12)
     mask = masks.sliding_window([5000, 3000, 700], 512)

@@ -1,10 +1,15 @@
-"""Host model of the sm90 forward's persistent tile scheduler (scheduler_sm90.h): the makespan of the bench
-cases' tiles on 132 SMs, relative to the LPT bound, for three tile orders: one section (all heads at once),
-plain L2 sections, and L2 sections with the wider last section of TailSectionStart (the kernel's). It
-separates the tail of an order from its L2 effect, which it leaves out. A tile costs `tile_cost` plus one
-per key tile of its q block's walk; CTAs take tiles in order as they free (the atomic counter).
+"""Host model of the sm90 kernels' tile orders (tile_order.h): the makespan of the bench cases' tiles on 132
+SMs, relative to the LPT bound. It separates the tail of an order from its L2 effect, which it leaves out;
+CTAs take tiles in order as they free (the forward's atomic counter, the backward's grid).
 
-    python cuda/tools/sched_sim.py
+Forward (scheduler_sm90.h): a tile (q block, q head) costs `tile_cost` plus one per key tile of its q
+block's walk; three orders: one section (all heads at once), plain L2 sections, and L2 sections with the
+wider last section of TailSectionStart (the kernel's).
+Backward (launch_bwd_sm90.cu): a tile (k block of 128 keys, kv head) costs `tile_cost` plus one per row
+step of 64 rows (KvBlockWork); two orders: the grid's (k blocks in order, head after head) and the kernel's
+(k blocks longest first, kv heads in L2 sections of their Q and dO, the last section wider).
+
+    python cuda/tools/sched_sim.py [--pass bwd]
 """
 
 from __future__ import annotations
@@ -38,6 +43,22 @@ def block_work(mask: AttnMask, block_n: int) -> np.ndarray:
     return work
 
 
+def kv_block_work(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> np.ndarray:
+    """Row steps of each k block of block_n keys (the kernel's KvBlockWork without its +1): per slice, the
+    rows attending some key of the block, in steps of block_m from the first of them."""
+    nb = -(-mask.total_seqlen_k // block_n)
+    work = np.zeros(nb, np.int64)
+    for (qs, qe), (ks, ke), t in zip(mask.q_ranges, mask.k_ranges, mask.types):
+        for b in range(ks // block_n, -(-ke // block_n)):
+            cb, ce = max(ks, b * block_n), min(ke, (b + 1) * block_n)
+            # Row q sees keys [ks + (q - qs) if inv, ke - (qe - q - 1) if causal): rows seeing a key of [cb, ce).
+            lo = max(qs, cb - ke + qe) if t in (AttnMaskType.CAUSAL, AttnMaskType.BI_CAUSAL) else qs
+            hi = min(qe, ce - 1 - ks + qs + 1) if t in (AttnMaskType.INV_CAUSAL, AttnMaskType.BI_CAUSAL) else qe
+            if hi > lo:
+                work[b] += -(-(hi - lo) // block_m)
+    return work
+
+
 def section_heads(tk: int, d: int, hq: int, hkv: int, l2_bytes: int) -> int:
     """launch_fwd_sm90.cu SectionHeads: whole GQA groups whose K/V fit half of L2."""
     kv_head = max(1, tk * d * 2 * 2)
@@ -51,10 +72,10 @@ def tail_section_start(work: np.ndarray, hq: int, group: int, per: int, ctas: in
     return 0 if tail >= hq else (hq - tail) // per * per
 
 
-def makespan(work: np.ndarray, sections: list[int], sms: int, tile_cost: float) -> float:
-    """Finish time of the last tile, tiles in DecodeTile's order: sections of the given widths (heads), the
-    longest q blocks first within each."""
-    order = np.argsort(-work, kind="stable")
+def makespan(work: np.ndarray, sections: list[int], sms: int, tile_cost: float, order=None) -> float:
+    """Finish time of the last tile, tiles in SectionTile's order: sections of the given widths (heads), the
+    blocks in `order` (default: longest first) within each."""
+    order = np.argsort(-work, kind="stable") if order is None else order
     costs = []
     for heads in sections:
         costs.extend(np.repeat(work[order] + tile_cost, heads))
@@ -68,13 +89,35 @@ def makespan(work: np.ndarray, sections: list[int], sms: int, tile_cost: float) 
     return end
 
 
+def bwd_makespans(work: np.ndarray, heads: int, per: int, sms: int, tile_cost: float) -> tuple[float, float, float]:
+    """(LPT bound, grid order, the kernel's order) of the backward's tiles: work per k block, `heads` kv heads,
+    `per` kv heads per L2 section."""
+    cost = work + tile_cost
+    bound = cost.sum() * heads / sms
+    grid = makespan(work, [1] * heads, sms, tile_cost, order=np.arange(len(work)))
+    first = tail_section_start(cost, heads, 1, per, sms)
+    sections = [per] * (first // per) + [heads - first]
+    return bound, grid, makespan(work, sections, sms, tile_cost)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--pass", dest="which", default="fwd", choices=["fwd", "bwd"])
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--l2-bytes", type=int, default=50 << 20)
     ap.add_argument("--tile-cost", type=float, default=1.0, help="per-tile overhead in key-tile steps")
     args = ap.parse_args()
+    if args.which == "bwd":
+        print(f"{'case':26s} {'kv heads/section':>16s} {'bound':>9s} {'grid':>6s} {'kernel':>6s}  (makespan / LPT bound)")
+        for case in make_cases():
+            d = case.head_dim
+            block_n = 128 if d <= 128 else 64
+            work = kv_block_work(case.mask, block_n)
+            per = int(np.clip(args.l2_bytes // 2 // max(1, case.mask.total_seqlen_q * d * 2 * 2), 1, args.heads))
+            bound, grid, kernel = bwd_makespans(work, args.heads, per, args.sms, args.tile_cost)
+            print(f"{case.name:26s} {per:16d} {bound:9.0f} {grid / bound:6.3f} {kernel / bound:6.3f}")
+        return 0
     print(f"{'case':26s} {'heads/section':>13s} {'last section':>12s} {'bound':>9s} {'one section':>11s} "
           f"{'sections':>9s} {'+ tail':>7s}  (makespan / LPT bound)")
     for case in make_cases():
