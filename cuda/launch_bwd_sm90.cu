@@ -64,12 +64,12 @@ bool GridOrderFromEnv() {
 int64_t OrderInts(int64_t num_kb, int64_t hkv) { return 4 + 2 * num_kb + num_kb * hkv; }
 
 // Enqueues the longest-first tile list into scratch and returns it (sp.tiles); nullptr when the grid keeps
-// its own order (MAGI_JAX_SM90_BWD_ORDER=grid, or more tiles than int32 indexes).
+// its own order (no scratch, MAGI_JAX_SM90_BWD_ORDER=grid, or more tiles than int32 indexes).
 template <int BN>
 cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes, int32_t* scratch,
                            cudaStream_t stream, const int32_t** tiles_out) {
   *tiles_out = nullptr;
-  if (GridOrderFromEnv() || int64_t(num_kb) * p.hkv >= INT_MAX) return cudaSuccess;
+  if (scratch == nullptr || GridOrderFromEnv() || int64_t(num_kb) * p.hkv >= INT_MAX) return cudaSuccess;
   int device = 0, sms = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
