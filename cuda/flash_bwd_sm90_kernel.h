@@ -428,7 +428,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   using Region = BwdSm90Region<kStages>;
   static_assert(Region::kBytes <= Tile::kBarBytes, "the barrier region holds the steps and the dQ coordinates");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = AlignSmem1024(smem_raw);
   unsigned char* sk = smem + Tile::kKOffset;
   unsigned char* sv = smem + Tile::kVOffset;
   unsigned char* sq = smem + Tile::kQOffset;

@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   constexpr int WM = Tile::kRowsPerWarpgroup;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle atoms need 1024-byte alignment; the dynamic buffer's own alignment is not promised.
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  unsigned char* smem = AlignSmem1024(smem_raw);
   unsigned char* sq = smem + Tile::kQOffset;
   unsigned char* sk = smem + Tile::kKOffset;
   unsigned char* sv = smem + Tile::kVOffset;

@@ -13,6 +13,15 @@
 
 namespace magi_jax::cuda {
 
+// The dynamic shared buffer aligned up to 1024 bytes (the 128-byte swizzle atoms), by an offset added to
+// `raw` rather than through an integer round trip: the compiler then keeps every pointer derived from it in the
+// shared state space, so their plain loads are LDS. Through uintptr_t they were generic LD.E, waited for on
+// the long scoreboard: the backward's step info and lse / delta reads, ~10% of its stall samples (ncu, causal
+// 32k).
+MAGI_DEV unsigned char* AlignSmem1024(unsigned char* raw) {
+  return raw + ((1024u - (SmemAddr(raw) & 1023u)) & 1023u);
+}
+
 // ------------------------------------------------------------------------------------------- mbarriers
 
 MAGI_DEV void MbarInit(uint64_t* bar, int count) {
