@@ -261,20 +261,22 @@ def table(results: list[dict]) -> str:
     by = measured(results)
     cases = list(dict.fromkeys(r["case"] for r in results))
     present = [c for c in COLUMNS if any(r["impl"] == c for r in results if "tflops" in r)]
-    mma = "ffa_mma" in present
-    head = ("| case | pass | " + " | ".join(f"{c} TFLOP/s (ms)" for c in present) + " | ffa / cudnn |" +
-            (" ffa_mma / cudnn |" if mma else ""))
-    lines = [head, "|" + "---|" * (len(present) + 3 + mma)]
+    # (numerator, denominator) of the ratio columns: to cuDNN, and ffa to each scheduler variant present
+    # (what the variant's knob is worth, side by side in one run).
+    pairs = [("ffa", "cudnn")] + ([("ffa_mma", "cudnn")] if "ffa_mma" in present else [])
+    pairs += [("ffa", v) for v in present if v in FFA_KERNELS and v != "ffa_mma"]
+    head = ("| case | pass | " + " | ".join(f"{c} TFLOP/s (ms)" for c in present) + " | " +
+            " | ".join(f"{a} / {b}" for a, b in pairs) + " |")
+    lines = [head, "|" + "---|" * (len(present) + 2 + len(pairs))]
     for case in cases:
         for mode in ("fwd", "fwd+bwd"):
             cells = []
             for c in present:
                 r = by.get((case, c, mode))
                 cells.append(f"{r['tflops']} ({r['ms']})" if r else "-")
-            c = by.get((case, "cudnn", mode))
             ratios = []
-            for impl in ("ffa", "ffa_mma") if mma else ("ffa",):
-                f = by.get((case, impl, mode))
+            for a, b in pairs:
+                f, c = by.get((case, a, mode)), by.get((case, b, mode))
                 ratios.append(f"{f['tflops'] / c['tflops']:.2f}" if f and c else "-")
             lines.append(f"| {case} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)

@@ -48,3 +48,14 @@ def test_target_check_ratio_absolute_and_missing(kernel_bench):
 def test_every_target_names_a_benchmarked_case(kernel_bench):
     names = {c.name for c in kernel_bench.make_cases()}
     assert {case for case, _ in kernel_bench.ISSUE4_TARGETS} <= names
+
+
+def test_table_has_a_ratio_column_per_scheduler_variant(kernel_bench):
+    results = [row("causal_32k", "ffa", "fwd+bwd", 500.0), row("causal_32k", "cudnn", "fwd+bwd", 550.0),
+               row("causal_32k", "ffa_bwd_grid", "fwd+bwd", 400.0)]
+    lines = kernel_bench.table(results).splitlines()
+    assert lines[0] == ("| case | pass | ffa TFLOP/s (ms) | ffa_bwd_grid TFLOP/s (ms) | cudnn TFLOP/s (ms) | "
+                        "ffa / cudnn | ffa / ffa_bwd_grid |")
+    assert lines[1].count("---") == 7
+    assert lines[3] == "| causal_32k | fwd+bwd | 500.0 (1.0) | 400.0 (1.0) | 550.0 (1.0) | 0.91 | 1.25 |"
+    assert lines[2].endswith("| - | - |")  # no forward rows measured
