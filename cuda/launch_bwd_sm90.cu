@@ -27,15 +27,16 @@ namespace {
 constexpr int kWorkWarps = 8;
 constexpr int kTileThreads = 256;
 
-// work[kb] = KvBlockWork of k block kb (BN keys); stats[0] += it, stats[1] = the largest. A warp per k block.
-template <int BN>
+// work[kb] = KvBlockWork of k block kb (BN keys, row steps of BM); stats[0] += it, stats[1] = the largest. A
+// warp per k block.
+template <int BN, int BM>
 __global__ void __launch_bounds__(kWorkWarps * 32) BwdWorkKernel(SliceArgs args, BlockLists lists, int num_kb,
                                                                  int group, int32_t* work, unsigned long long* stats) {
   const int kb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
   if (kb >= num_kb) return;  // whole warps leave together
   const SliceWalk walk(args, lists, kb / (kKBlock / BN));
   const int64_t c0 = int64_t(kb) * BN;
-  const int w = KvBlockWork(walk, args, c0, c0 + BN, group, BwdSm90Tile<128>::kBlockM);
+  const int w = KvBlockWork(walk, args, c0, c0 + BN, group, BM);
   if ((threadIdx.x & 31) == 0) {
     work[kb] = w;
     atomicAdd(&stats[0], static_cast<unsigned long long>(w));
@@ -65,7 +66,7 @@ int64_t OrderInts(int64_t num_kb, int64_t hkv) { return 4 + 2 * num_kb + num_kb 
 
 // Enqueues the longest-first tile list into scratch and returns it (sp.tiles); nullptr when the grid keeps
 // its own order (no scratch, MAGI_JAX_SM90_BWD_ORDER=grid, or more tiles than int32 indexes).
-template <int BN>
+template <int BN, int BM>
 cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes, int32_t* scratch,
                            cudaStream_t stream, const int32_t** tiles_out) {
   *tiles_out = nullptr;
@@ -83,8 +84,8 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes
   int32_t* tiles = order + num_kb;
   if (cudaError_t err = cudaMemsetAsync(stats, 0, 2 * sizeof(unsigned long long), stream); err != cudaSuccess)
     return err;
-  BwdWorkKernel<BN><<<(num_kb + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(p.slices, p.k_lists,
-                                                                                          num_kb, group, work, stats);
+  BwdWorkKernel<BN, BM><<<(num_kb + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
+      p.slices, p.k_lists, num_kb, group, work, stats);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   if (cudaError_t err = LaunchLongestFirst(work, num_kb, false, order, stream); err != cudaSuccess) return err;
   const int64_t num_tiles = int64_t(num_kb) * p.hkv;
@@ -162,7 +163,8 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)
     return err;
-  if (cudaError_t err = BuildTileOrder<Tile::kBlockN>(p, num_blocks, D, int(sizeof(T)), scratch, stream, &sp.tiles);
+  if (cudaError_t err = BuildTileOrder<Tile::kBlockN, Tile::kBlockM>(p, num_blocks, D, int(sizeof(T)), scratch,
+                                                                     stream, &sp.tiles);
       err != cudaSuccess)
     return err;
   kernel<<<dim3(num_blocks, p.hkv), Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
@@ -170,16 +172,16 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
 }
 
 template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 64>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                                     const KeySplit&);
+                                                       const KeySplit&);
 template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 128>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                                     const KeySplit&);
+                                                       const KeySplit&);
 template cudaError_t LaunchBwdDkDvSm90<__half, 64>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                                     const KeySplit&);
+                                                       const KeySplit&);
 template cudaError_t LaunchBwdDkDvSm90<__half, 128>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                                     const KeySplit&);
+                                                       const KeySplit&);
 template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 256>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                                     const KeySplit&);
+                                                       const KeySplit&);
 template cudaError_t LaunchBwdDkDvSm90<__half, 256>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                                     const KeySplit&);
+                                                       const KeySplit&);
 
 }  // namespace magi_jax::cuda
