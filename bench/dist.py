@@ -17,6 +17,7 @@ length (mean 4096, at least 256), 64k tokens per GPU by default; bf16, 16 heads,
 (--no-append to skip) and writes JSON to $OUT/dist_bench.json when OUT is set.
 
     python bench/dist.py                                    # 2+ GPUs
+    python bench/dist.py --dp 2                             # 8 GPUs as dp 2 x cp 4 (a batch element per group)
     python bench/dist.py --profile /tmp/trace               # also a jax.profiler trace of magi fwd+bwd
     python bench/dist.py --platform cpu --gpus 4 --tokens-per-gpu 512 --heads 2 --kv-heads 2 --head-dim 64 \\
         --dtype float32 --no-append                         # smoke run on host devices
@@ -144,6 +145,18 @@ def _zigzag(mask, mesh, args) -> DistAttnPlan:
                      num_heads_kv=args.kv_heads, head_dim=args.head_dim)
 
 
+def seq_shard_map(body, mesh: Mesh):
+    """shard_map of a per-rank body over (q, k, v) -> (out, lse), the sequence split over "cp"; on a mesh
+    with a "dp" axis too, a leading batch dim split over it, one batch element per rank (the body sees the
+    element, as on a 1-D mesh)."""
+    if "dp" not in mesh.axis_names:
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=(P("cp"), P("cp")),
+                             check_vma=False)
+    spec = P("dp", "cp")
+    batched = lambda q, k, v: tuple(o[None] for o in body(q[0], k[0], v[0]))
+    return jax.shard_map(batched, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec), check_vma=False)
+
+
 def build_allgather(mask, mesh, args):
     plan = _zigzag(mask, mesh, args)
     cp, L = plan.cp, plan.local_len
@@ -159,8 +172,7 @@ def build_allgather(mask, mesh, args):
         v_all = jax.lax.all_gather(v, "cp", tiled=True)
         return _ffa(q, k_all, v_all, [jnp.asarray(a)[r] for a in tables], scale)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=(P("cp"), P("cp")), check_vma=False)
-    return fn, plan
+    return seq_shard_map(body, mesh), plan
 
 
 def lse_merge(parts, dtype):
@@ -200,8 +212,7 @@ def build_ring(mask, mesh, args):
                 parts.append(_ffa(q, k, v, [jnp.asarray(a)[r] for a in steps[j]], scale))
         return lse_merge(parts, q.dtype)
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3, out_specs=(P("cp"), P("cp")), check_vma=False)
-    return fn, plan
+    return seq_shard_map(body, mesh), plan
 
 
 def single_share(mask, args, cp: int):
@@ -244,16 +255,21 @@ def rel_diff(a, b) -> float:
 
 
 def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
+    """Every method on one mask. On a (dp, cp) mesh each of the dp groups attends its own batch element with
+    the same mask (per-GPU work: the mask's area / cp, as on a 1-D mesh of cp)."""
     n = mesh.shape["cp"]
+    dp = mesh.shape.get("dp", 1)
     total = args.tokens_per_gpu * n
     mask = make_mask(name, total, seed=args.seed)
     area = mask.area()
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(args.seed), 3)
-    shapes = ((total, args.heads, args.head_dim), (total, args.kv_heads, args.head_dim))
+    batch = (dp,) if dp > 1 else ()
+    shapes = ((*batch, total, args.heads, args.head_dim), (*batch, total, args.kv_heads, args.head_dim))
     q, k, v = (jax.random.normal(kk, shapes[min(i, 1)], jnp.float32).astype(dtype) for i, kk in enumerate(keys))
-    print(f"\n{name}: {total} tokens on {n} GPUs, {mask.num_slices} slices, area {area:.4g} "
-          f"({area / total / total:.2%} of dense)", flush=True)
+    seq_dim = len(batch)
+    print(f"\n{name}: {total} tokens on {n} GPUs" + (f" (x {dp} data-parallel groups)" if dp > 1 else "")
+          + f", {mask.num_slices} slices, area {area:.4g} ({area / total / total:.2%} of dense)", flush=True)
     reference = None
     builders = {"magi": build_magi, "allgather": build_allgather, "ring": build_ring,
                 "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
@@ -262,7 +278,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_bwd_fused": functools.partial(build_magi, backward="fused"),
                 "magi_nomargin": functools.partial(build_magi, sm_margin=0)}
     for method in args.methods:
-        row = {"mask": name, "method": method, "gpus": n, "tokens": total, "area": area}
+        row = {"mask": name, "method": method, "gpus": n * dp, "cp": n, "dp": dp, "tokens": total, "area": area}
         try:
             if method == "single":
                 fn, inputs, share = build_single(mask, args, n)
@@ -270,7 +286,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 row["share_area"] = share
             else:
                 fn, plan = builders[method](mask, mesh, args)
-                inputs = tuple(mj.dispatch(x, plan, mesh=mesh) for x in (q, k, v))
+                inputs = tuple(mj.dispatch(x, plan, seq_dim=seq_dim, mesh=mesh) for x in (q, k, v))
                 work, note = area / n, ""
                 if method.startswith("magi"):
                     s = plan.stats()
@@ -282,7 +298,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
             g = fwd_bwd(fn)
             out = f(*inputs)[0]
             if method != "single":
-                got = mj.undispatch(out, plan, mesh=mesh)
+                got = mj.undispatch(out, plan, seq_dim=seq_dim, mesh=mesh)
                 if reference is None:
                     reference = got
                 else:
@@ -302,6 +318,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
 
 
 def report(results: list[dict], args, n: int) -> str:
+    """The markdown table and its notes; n: GPUs per context-parallel group."""
     def tf(mask, method, p):
         for r in results:
             if r["mask"] == mask and r["method"] == method and r["pass"] == p:
@@ -326,7 +343,8 @@ def report(results: list[dict], args, n: int) -> str:
                         verdicts.append(f"magi / {m} = {x:.2f} (target >= {target}: {'met' if x >= target else 'MISSED'})")
     header = ["mask", "pass", *[f"{m} TFLOP/s per GPU (ms)" for m in args.methods],
               *[f"magi / {m}" for m in args.methods if m != "magi"]]
-    notes = (f"{n} GPUs, {args.tokens_per_gpu} tokens per GPU, {jnp.dtype(args.dtype).name}, {args.heads} q heads, "
+    groups = f" x {args.dp} data-parallel groups" if args.dp > 1 else ""
+    notes = (f"{n} GPUs{groups}, {args.tokens_per_gpu} tokens per GPU, {jnp.dtype(args.dtype).name}, {args.heads} q heads, "
              f"{args.kv_heads} kv heads, D {args.head_dim}; median of {args.reps} samples of {args.calls} back-to-back "
              f"calls after {args.warmup} warm-up; "
              f"TFLOP/s per GPU on the unmasked area (single: on its share). Targets (varlen causal, fwd+bwd): "
@@ -452,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--platform", default="gpu", choices=["gpu", "cpu"])
     ap.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel groups: a (dp, cp) mesh, each group attending its own batch element")
     ap.add_argument("--tokens-per-gpu", type=int, default=65536)
     ap.add_argument("--masks", nargs="+", default=["varlen_causal", "varlen_block_causal"])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
@@ -484,7 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     if n < 2 or len(devices) < n:
         print(f"bench/dist.py: needs at least 2 {args.platform} devices (have {len(devices)})", file=sys.stderr)
         return 2
-    mesh = Mesh(np.array(devices[:n]), ("cp",))
+    if args.dp < 1 or n % args.dp or n // args.dp < 2:
+        print(f"bench/dist.py: --dp {args.dp} must divide the {n} devices into groups of 2 or more",
+              file=sys.stderr)
+        return 2
+    if args.dp == 1:
+        mesh = Mesh(np.array(devices[:n]), ("cp",))
+    else:
+        mesh = Mesh(np.array(devices[:n]).reshape(args.dp, n // args.dp), ("dp", "cp"))
     print(f"{n} x {devices[0].device_kind}, jax {jax.__version__}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if args.profile is not None:
         profile(args, mesh, args.profile)
@@ -493,13 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     for name in args.masks:
         run_mask(name, args, mesh, results)
-    table, notes = report(results, args, n)
+    table, notes = report(results, args, mesh.shape["cp"])
     print("\n" + table + "\n\n" + notes)
     out = os.environ.get("OUT")
     if out:
         pathlib.Path(out, "dist_bench.json").write_text(json.dumps(results, indent=1))
     if not args.no_append:
-        append_report(f"Distributed attention, {n} GPUs", table, notes)
+        shape = f"{n} GPUs" if args.dp == 1 else f"{n} GPUs as dp {args.dp} x cp {n // args.dp}"
+        append_report(f"Distributed attention, {shape}", table, notes)
     return 0
 
 

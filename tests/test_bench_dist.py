@@ -12,15 +12,16 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import bench.dist as dist  # noqa: E402
 
-TOY = ["--platform", "cpu", "--gpus", "2", "--tokens-per-gpu", "1024", "--heads", "2", "--kv-heads", "2",
-       "--head-dim", "64", "--dtype", "float32", "--reps", "1", "--warmup", "1", "--calls", "2", "--no-append",
-       "--masks", "varlen_causal"]
+def toy(gpus: int = 2) -> list[str]:
+    return ["--platform", "cpu", "--gpus", str(gpus), "--tokens-per-gpu", "1024", "--heads", "2", "--kv-heads", "2",
+            "--head-dim", "64", "--dtype", "float32", "--reps", "1", "--warmup", "1", "--calls", "2",
+            "--no-append", "--masks", "varlen_causal"]
 
 
 def test_methods_run_and_agree(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     methods = ["magi", "magi_bwd_fused", "allgather", "ring", "single"]
-    assert dist.main(TOY + ["--methods", *methods]) == 0
+    assert dist.main(toy() + ["--methods", *methods]) == 0
     results = json.loads((tmp_path / "dist_bench.json").read_text())
     assert {(r["method"], r["pass"]) for r in results} == {(m, p) for m in methods for p in ("fwd", "fwd+bwd")}
     for r in results:
@@ -31,10 +32,21 @@ def test_methods_run_and_agree(tmp_path, monkeypatch, capsys):
     assert "| varlen_causal | fwd+bwd |" in table and "magi / single" in table
 
 
+def test_data_parallel_groups(tmp_path, monkeypatch):
+    # --dp 2 on 4 devices: a (dp 2, cp 2) mesh, each group its own batch element; the baselines shard the
+    # batch the same way and agree with magi.
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert dist.main(toy(gpus=4) + ["--dp", "2", "--methods", "magi", "allgather", "ring"]) == 0
+    results = json.loads((tmp_path / "dist_bench.json").read_text())
+    assert {(r["gpus"], r["cp"], r["dp"]) for r in results} == {(4, 2, 2)}
+    assert all(r["rel_diff_vs_first"] < 1e-5 for r in results if r["method"] != "magi")
+    assert dist.main(toy(gpus=4) + ["--dp", "3", "--methods", "magi"]) == 2  # 4 devices are not 3 groups
+
+
 @pytest.mark.parametrize("method", ["magi", "single"])
 def test_profile_runs_on_host_devices(tmp_path, method, capsys):
     # On CPUs the trace has no GPU events: the schedule's report (magi) and the profile's header still print.
-    assert dist.main(TOY + ["--profile", str(tmp_path), "--profile-only", "--profile-method", method]) == 0
+    assert dist.main(toy() + ["--profile", str(tmp_path), "--profile-only", "--profile-method", method]) == 0
     out = capsys.readouterr().out
     assert f"profile: varlen_causal, {method}, fwd+bwd" in out
     if method == "magi":
