@@ -12,7 +12,7 @@
 #   BENCH_ARGS="--masks varlen_causal varlen_full varlen_block_causal" bash bench/dist_device_run.sh build bench
 #   BENCH_ARGS="--masks varlen_causal varlen_full varlen_block_causal --tokens-per-gpu 16384" bash ... build bench
 #   BENCH_ARGS="--dp 2 --masks varlen_causal varlen_block_causal" bash ... build bench     # 8 GPUs: dp 2 x cp 4
-#   python3 bench/calibrate.py (then bench/simulate.py with the written calibration: predicted against measured)
+#   python3 bench/calibrate.py     # fits the cost model, prints predicted against measured per stage and rank
 #
 # Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, PROFILE_VARIANTS ("name:VAR=v VAR='v w';..."),
 # PROFILE_PASSES (default "fwd+bwd"; "fwd fwd+bwd" profiles the forward alone too), PROFILE_METHODS (default
