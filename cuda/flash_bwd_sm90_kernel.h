@@ -253,6 +253,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   using Tile = BwdSm90Tile<D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
   constexpr int kHalfM = BM / 2, kHalfD = D / 2, DT = kHalfD / 8, NT = kHalfM / 8;
+  static_assert(NT % 2 == 0, "P^T and dS^T leave by 16 columns (StMatrixX4)");
   static_assert(BN == 64 && BM == 64 && D == 256, "the split-D consumer is written for 64 keys, 64 rows, D 256");
   static_assert(Tile::kDqBoxCols == 32, "dQ leaves in boxes of 32 columns");
   using Region = BwdSm90Region<kStages>;
@@ -330,14 +331,18 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     // Both warpgroups have retired the last step's wgmmas (wait<0> below): P^T / dS^T may be rewritten.
     NamedBarrierSync(5, Tile::kConsumerThreads);
     {
-      const int kr = wwarp * 16 + g;
+      // Column pairs ni, ni + 1 of keys [16 wwarp, 16 wwarp + 16) as four 8x8 matrices (StMatrixX4): lane l
+      // addresses key 16 wwarp + 8 ((l / 8) & 1) + l % 8, columns + 8 (l / 16).
+      const int kr = wwarp * 16 + (lane & 15), dc = (lane >> 4) * 8;
 #pragma unroll
-      for (int ni = 0; ni < NT; ++ni) {
-        const int col = row0 + ni * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(sp + Swizzle128B(kr, col)) = Elem<T>::Pack(s[0][ni][0], s[0][ni][1]);
-        *reinterpret_cast<uint32_t*>(sp + Swizzle128B(kr + 8, col)) = Elem<T>::Pack(s[0][ni][2], s[0][ni][3]);
-        *reinterpret_cast<uint32_t*>(sds + Swizzle128B(kr, col)) = Elem<T>::Pack(dp[0][ni][0], dp[0][ni][1]);
-        *reinterpret_cast<uint32_t*>(sds + Swizzle128B(kr + 8, col)) = Elem<T>::Pack(dp[0][ni][2], dp[0][ni][3]);
+      for (int ni = 0; ni < NT; ni += 2) {
+        const int col = row0 + ni * 8 + dc;
+        StMatrixX4(SmemAddr(sp) + Swizzle128B(kr, col), Elem<T>::Pack(s[0][ni][0], s[0][ni][1]),
+                   Elem<T>::Pack(s[0][ni][2], s[0][ni][3]), Elem<T>::Pack(s[0][ni + 1][0], s[0][ni + 1][1]),
+                   Elem<T>::Pack(s[0][ni + 1][2], s[0][ni + 1][3]));
+        StMatrixX4(SmemAddr(sds) + Swizzle128B(kr, col), Elem<T>::Pack(dp[0][ni][0], dp[0][ni][1]),
+                   Elem<T>::Pack(dp[0][ni][2], dp[0][ni][3]), Elem<T>::Pack(dp[0][ni + 1][0], dp[0][ni + 1][1]),
+                   Elem<T>::Pack(dp[0][ni + 1][2], dp[0][ni + 1][3]));
       }
     }
     FenceProxyAsyncShared();
@@ -684,16 +689,13 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     }
     if constexpr (kDq) {
       // dS^T rows (keys) of this thread into the swizzled [BN][BM] buffer, while dK / dV run.
-      unsigned char* ds_buf = sds + buf * Tile::kDsBytes;
-      const int kr = cw * WK + wwarp * 16 + g;
+      // As four 8x8 matrices per 16 columns (StMatrixX4, the A fragments' order): lane l addresses key
+      // 16 wwarp + 8 ((l / 8) & 1) + l % 8 of the warpgroup's, columns + 8 (l / 16).
+      const uint32_t ds_buf = SmemAddr(sds + buf * Tile::kDsBytes);
+      const int kr = cw * WK + wwarp * 16 + (lane & 15), dc = (lane >> 4) * 8;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        const int col = kk * 16 + 2 * t;
-        *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr, col)) = dsa[kk][0];
-        *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr + 8, col)) = dsa[kk][1];
-        *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr, col + 8)) = dsa[kk][2];
-        *reinterpret_cast<uint32_t*>(ds_buf + Swizzle128B(kr + 8, col + 8)) = dsa[kk][3];
-      }
+      for (int kk = 0; kk < 4; ++kk)
+        StMatrixX4(ds_buf + Swizzle128B(kr, kk * 16 + dc), dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       FenceProxyAsyncShared();
       // The last drain's reduce-add has read dq_buf (only the issuing thread has bulk groups, the others pass;
       // uniform, no lane-dependent branch before the wgmmas); barrier 1 orders it before the next drain's
