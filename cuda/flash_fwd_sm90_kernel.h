@@ -251,6 +251,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   // ------------------------------------------------------------------------------------------- consumers
   SetMaxRegsInc<Tile::kConsumerRegs>();
   constexpr int NT = BN / 8, DT = D / 8;
+  static_assert(DT % 2 == 0, "O leaves by 16 columns (StMatrixX4)");
   const int cw = wg - 1, ctid = tid - 128, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
   (void)ctid;
   const int tq = args.tq;
@@ -489,12 +490,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
                                   fp.lse_prev, wr0 + wwarp * 16, tq, fp.hq, h, lane);
     if (wtid == 0) BulkWaitRead();  // the previous tile's store has read the staging buffer
     NamedBarrierSync(kEpilogueBarrier + cw, 128);
+    // O by 16 columns, four 8x8 matrices per instruction (StMatrixX4): lane l addresses row 16 wwarp + (l & 15),
+    // columns + 8 (l / 16); columns di * 8 .. + 15 lie in one 64-column chunk (di even).
 #pragma unroll
-    for (int di = 0; di < DT; ++di) {
-      const int col = di * 8 + 2 * t, chunk = col / 64, r = wwarp * 16 + g;
-      unsigned char* base = so_wg + chunk * Tile::kOChunkBytes;
-      *reinterpret_cast<uint32_t*>(base + Swizzle128B(r, col % 64)) = Elem<T>::Pack(o[di][0], o[di][1]);
-      *reinterpret_cast<uint32_t*>(base + Swizzle128B(r + 8, col % 64)) = Elem<T>::Pack(o[di][2], o[di][3]);
+    for (int di = 0; di < DT; di += 2) {
+      const int col = di * 8 + (lane >> 4) * 8, r = wwarp * 16 + (lane & 15);
+      StMatrixX4(SmemAddr(so_wg + (col / 64) * Tile::kOChunkBytes) + Swizzle128B(r, col % 64),
+                 Elem<T>::Pack(o[di][0], o[di][1]), Elem<T>::Pack(o[di][2], o[di][3]),
+                 Elem<T>::Pack(o[di + 1][0], o[di + 1][1]), Elem<T>::Pack(o[di + 1][2], o[di + 1][3]));
     }
     FenceProxyAsyncShared();
     NamedBarrierSync(kEpilogueBarrier + cw, 128);
