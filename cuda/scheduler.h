@@ -3,6 +3,7 @@
 // Grids are (blocks, heads). The forward takes q blocks last-first: under causal-like masks the last
 // blocks of a document carry the most keys, and starting the longest tiles first shortens the tail.
 // The dk/dv kernel takes k blocks first-first for the same reason (the first keys have the most rows).
+// (The sm90 kernels order their tiles longest first on the device instead: tile_order.h.)
 #pragma once
 
 #include "block_lists.h"
