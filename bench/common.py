@@ -66,26 +66,30 @@ def newest_perfetto_trace(log_dir: pathlib.Path) -> pathlib.Path | None:
     return traces[-1] if traces else None
 
 
-def gpu_kernel_events(trace: pathlib.Path) -> dict[str, list[dict]]:
-    """The timed events (kernels, memcpys) of each GPU in a jax.profiler perfetto trace (.json.gz), by the
-    GPU's process name, in trace order."""
+def timed_events(trace: pathlib.Path) -> tuple[list[dict], dict[int, str]]:
+    """The timed events of a jax.profiler perfetto trace (.json.gz) in trace order, and each process's name."""
     data = json.load(gzip.open(trace))
     events = data["traceEvents"] if isinstance(data, dict) else data
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [e for e in events if e.get("ph") == "X" and "dur" in e], names
+
+
+def gpu_kernel_events(trace: pathlib.Path) -> dict[str, list[dict]]:
+    """The timed events (kernels, memcpys) of each GPU in a jax.profiler perfetto trace (.json.gz), by the
+    GPU's process name, in trace order."""
+    events, names = timed_events(trace)
     gpus = {pid: name for pid, name in names.items() if "gpu" in name.lower()}
     by_gpu: dict[str, list[dict]] = {name: [] for name in gpus.values()}
     for e in events:
-        if e.get("pid") in gpus and e.get("ph") == "X" and "dur" in e:
+        if e.get("pid") in gpus:
             by_gpu[gpus[e["pid"]]].append(e)
     return {name: ks for name, ks in sorted(by_gpu.items()) if ks}
 
 
 def host_events(trace: pathlib.Path) -> list[dict]:
     """The timed events of the host's threads (every process not a GPU's) in a jax.profiler perfetto trace."""
-    data = json.load(gzip.open(trace))
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    return [e for e in events if e.get("ph") == "X" and "dur" in e and "gpu" not in names.get(e.get("pid"), "").lower()]
+    events, names = timed_events(trace)
+    return [e for e in events if "gpu" not in names.get(e.get("pid"), "").lower()]
 
 
 def kernel_totals(events: Sequence[dict]) -> list[tuple[str, float]]:

@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(kOrderThreads) LongestFirstKernel(const int32_
     run += c;
   }
   __syncthreads();
-  for (int x = tid; x < n; x += kOrderThreads) order[atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1)] = x;
+  for (int x = tid; x < n; x += kOrderThreads)
+    order[atomicAdd(&count[kBuckets - 1 - min(work[x], kBuckets - 1)], 1)] = x;
 }
 
 }  // namespace

@@ -497,9 +497,9 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     backward call per stage and the local keys' call last, each stage's partials travelling back under the
     next call; the calls share one delta, dQ summed in place in one float32 buffer) or "fused" (one call
     over the local and all fetched keys, then the partials travel back, not overlapped; 1-2% slower
-    forward+backward on 2 H200s, BENCHMARKS.md 2026-11-30 08:23); ``sm_margin``: SMs that the forward calls running beside a group_cast leave
-    free for it (flex_flash_attn's sm_margin; 0 serialises the transfer behind the call); the rest as
-    flex_flash_attn.
+    forward+backward on 2 H200s, BENCHMARKS.md 2026-11-30 08:23); ``sm_margin``: SMs that the forward calls
+    running beside a group_cast leave free for it (flex_flash_attn's sm_margin; 0 serialises the transfer
+    behind the call); the rest as flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -60,7 +60,8 @@ def kv_block_work(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> np.n
 
 
 def section_heads(tk: int, d: int, hq: int, hkv: int, l2_bytes: int) -> int:
-    """launch_fwd_sm90.cu SectionHeads: whole GQA groups whose K/V fit half of L2."""
+    """launch_fwd_sm90.cu SectionHeads: whole GQA groups whose K/V (tk rows) fit half of L2; with tq rows
+    and hq == hkv, the backward's kv heads whose Q / dO fit (launch_bwd_sm90.cu BuildTileOrder)."""
     kv_head = max(1, tk * d * 2 * 2)
     return int(np.clip(l2_bytes // 2 // kv_head, 1, hkv)) * (hq // hkv)
 
@@ -109,12 +110,13 @@ def main() -> int:
     ap.add_argument("--tile-cost", type=float, default=1.0, help="per-tile overhead in key-tile steps")
     args = ap.parse_args()
     if args.which == "bwd":
-        print(f"{'case':26s} {'kv heads/section':>16s} {'bound':>9s} {'grid':>6s} {'kernel':>6s}  (makespan / LPT bound)")
+        print(f"{'case':26s} {'kv heads/section':>16s} {'bound':>9s} {'grid':>6s} {'kernel':>6s}  "
+              "(makespan / LPT bound)")
         for case in make_cases():
             d = case.head_dim
             block_n = 128 if d <= 128 else 64
             work = kv_block_work(case.mask, block_n)
-            per = int(np.clip(args.l2_bytes // 2 // max(1, case.mask.total_seqlen_q * d * 2 * 2), 1, args.heads))
+            per = section_heads(case.mask.total_seqlen_q, d, args.heads, args.heads, args.l2_bytes)
             bound, grid, kernel = bwd_makespans(work, args.heads, per, args.sms, args.tile_cost)
             print(f"{case.name:26s} {per:16d} {bound:9.0f} {grid / bound:6.3f} {kernel / bound:6.3f}")
         return 0
