@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import sys
 import time
 import traceback
@@ -57,8 +58,16 @@ from bench.common import (append_report, attention_flops, doc_lengths, gpu_kerne
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
-# fused backward, magi with sm_margin 0 (not run by default)
-EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused", "magi_nomargin")
+# fused backward (not run by default); also magi_margin<N>: magi with sm_margin N
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused")
+
+
+def method_name(name: str) -> str:
+    """--methods' type: a name of METHODS or EXTRA_METHODS, or magi_margin<N>."""
+    if name in METHODS + EXTRA_METHODS or re.fullmatch(r"magi_margin\d+", name):
+        return name
+    raise argparse.ArgumentTypeError(f"unknown method {name!r}: expected one of "
+                                     f"{', '.join(METHODS + EXTRA_METHODS)} or magi_margin<N>")
 
 
 def make_mask(name: str, total: int, seed: int = 0, block: int = 2048) -> AttnMask:
@@ -275,8 +284,9 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
                 "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
                 "magi_fused": functools.partial(build_magi, overlap=0),
-                "magi_bwd_fused": functools.partial(build_magi, backward="fused"),
-                "magi_nomargin": functools.partial(build_magi, sm_margin=0)}
+                "magi_bwd_fused": functools.partial(build_magi, backward="fused")}
+    builders |= {m: functools.partial(build_magi, sm_margin=int(m[len("magi_margin"):]))
+                 for m in args.methods if m.startswith("magi_margin")}
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n * dp, "cp": n, "dp": dp, "tokens": total, "area": area}
         try:
@@ -474,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="data-parallel groups: a (dp, cp) mesh, each group attending its own batch element")
     ap.add_argument("--tokens-per-gpu", type=int, default=65536)
     ap.add_argument("--masks", nargs="+", default=["varlen_causal", "varlen_block_causal"])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXTRA_METHODS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), type=method_name,
+                    help=f"of {', '.join(METHODS + EXTRA_METHODS)}, magi_margin<N> (default: %(default)s)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)

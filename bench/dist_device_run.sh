@@ -17,7 +17,7 @@
 # Knobs: TESTS (extra pytest args), BENCH_ARGS, PROFILE_ARGS, PROFILE_VARIANTS ("name:VAR=v VAR='v w';..."),
 # PROFILE_PASSES (default "fwd+bwd"; "fwd fwd+bwd" profiles the forward alone too), PROFILE_METHODS (default
 # "magi"; "magi single" profiles the single-GPU baseline's step too),
-# COMPARE_METHODS (default "magi magi_bwd_fused magi_nomargin single"), COMPARE_CALLS (bench/dist.py --calls values,
+# COMPARE_METHODS (default "magi magi_bwd_fused magi_margin0 single"), COMPARE_CALLS (bench/dist.py --calls values,
 # one compare each; default "10"), *_TIMEOUT (seconds per step). Every step
 # is time-limited so that partial results come back.
 set -u
@@ -101,7 +101,7 @@ for s in $STEPS; do
           echo "=== XLA_FLAGS='$flags' --calls $calls" >> "$OUT/compare.log"
           step "compare (XLA_FLAGS='$flags', --calls $calls)" "${COMPARE_TIMEOUT:-120}" "$OUT/compare.log" \
             env XLA_FLAGS="$flags" python3 bench/dist.py --no-append --masks varlen_causal --calls "$calls" \
-            --methods ${COMPARE_METHODS:-magi magi_bwd_fused magi_nomargin single}
+            --methods ${COMPARE_METHODS:-magi magi_bwd_fused magi_margin0 single}
         done
       done
       grep -E "^(===|\| varlen)" "$OUT/compare.log" >> "$SUMMARY"

@@ -189,7 +189,11 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     PipeState<kStages> kv;
     PipeState<2> slot;
     PipeState<Tile::kQStages> qs;
-    int tile = blockIdx.x;
+    // Every tile, the first too, comes from the counter: a CTA that starts late (its SM held by a collective
+    // running beside the call) takes the next tile in line instead of one of the longest.
+    int tile = 0;
+    if (lane == 0) tile = atomicAdd(p.counter, 1);
+    tile = __shfl_sync(0xffffffffu, tile, 0);
     while (true) {
       // Decode the tile and find its first step, then publish both (FwdTileRecord).
       int qb = 0, h = 0;
@@ -208,7 +212,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       if (tile >= p.num_tiles) break;
       // The next tile, taken now: the atomic's latency passes under this tile's loads.
       int next = 0;
-      if (lane == 0) next = int(gridDim.x) + atomicAdd(p.counter, 1);
+      if (lane == 0) next = atomicAdd(p.counter, 1);
       const int hk = h / (fp.hq / fp.hkv);
       const int64_t r0 = int64_t(qb) * BM;
       // The Q buffer of two tiles ago is free once both warpgroups have issued that tile's last S: this

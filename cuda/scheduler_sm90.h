@@ -14,8 +14,9 @@
 // of key tiles the block's slices visit (plus one for the epilogue), built on the device from the q-block
 // slice lists by two small kernels: FwdWorkKernel (a warp per q block) and LaunchLongestFirst's counting sort
 // (one CTA, tile_order.cu; ties in any order, which changes when a tile runs, never its result).
-// The grid is one CTA per SM; CTA b starts with tile b and then takes gridDim.x + atomicAdd(counter, 1):
-// greedy longest-processing-time-first, the classic 4/3-approximation of the optimal makespan.
+// The grid is one CTA per SM; each CTA takes its tiles, the first too, by atomicAdd(counter, 1): greedy
+// longest-processing-time-first, the classic 4/3-approximation of the optimal makespan. A CTA whose SM is
+// held by a collective when the call starts (sm_margin 0 beside a transfer) joins late with the next tile.
 #pragma once
 
 #include <cuda.h>

@@ -20,7 +20,7 @@ def toy(gpus: int = 2) -> list[str]:
 
 def test_methods_run_and_agree(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
-    methods = ["magi", "magi_bwd_fused", "allgather", "ring", "single"]
+    methods = ["magi", "magi_bwd_fused", "magi_margin4", "allgather", "ring", "single"]
     assert dist.main(toy() + ["--methods", *methods]) == 0
     results = json.loads((tmp_path / "dist_bench.json").read_text())
     assert {(r["method"], r["pass"]) for r in results} == {(m, p) for m in methods for p in ("fwd", "fwd+bwd")}
@@ -41,6 +41,12 @@ def test_data_parallel_groups(tmp_path, monkeypatch):
     assert {(r["gpus"], r["cp"], r["dp"]) for r in results} == {(4, 2, 2)}
     assert all(r["rel_diff_vs_first"] < 1e-5 for r in results if r["method"] != "magi")
     assert dist.main(toy(gpus=4) + ["--dp", "3", "--methods", "magi"]) == 2  # 4 devices are not 3 groups
+
+
+def test_unknown_method_is_named(capsys):
+    with pytest.raises(SystemExit):
+        dist.main(toy() + ["--methods", "magi_margin"])
+    assert "unknown method 'magi_margin'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("method", ["magi", "single"])
