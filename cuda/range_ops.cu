@@ -3,10 +3,11 @@
 // magi_jax/_ffi.py for platform "CUDA".
 // They pack and unpack the buffers of the group collectives (magi_jax/comm.py).
 //
-// One kernel in "gather form" serves both: a CTA owns blocks of kRows output rows x (threads * kVec) columns
-// of one array (a grid of the resident CTAs striding over the row blocks); for each block it keeps them in
-// float registers, walks the range table in order (staged through shared memory) and adds every input row
-// that a range maps into its rows; then it rounds once and stores. Every output element
+// One kernel in "gather form" serves both: a CTA owns chunks of output rows x (threads * kVec) columns of one
+// array (a grid of the resident CTAs striding over the chunks); for each block of kRows rows it keeps them in
+// float registers, walks the ranges that meet the chunk in table order (staged through shared memory) and
+// adds every input row that a range maps into its rows; then it rounds once and stores. Chunks whose rows
+// are each covered at most once (the common case) are copied row by row instead. Every output element
 // has one owner: no atomics, no pre-zeroing, deterministic sums, each output byte written once (the "into"
 // variant reads and writes only the rows some range covers).
 #include <cuda_bf16.h>
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "launch.h"
 #include "range_ops_interface.h"
@@ -27,6 +29,8 @@ constexpr int kRows = 8;           // output rows per CTA
 constexpr int kVec = 4;            // consecutive elements per thread
 constexpr int kMaxThreads = 256;
 constexpr int kRangeTile = 256;    // ranges staged in shared memory at a time
+constexpr int kChunkBlocks = 4;    // blocks of kRows rows per chunk when the table fits one tile
+static_assert(kChunkBlocks * kRows == 32, "a chunk's rows are the bits of a uint32 (ChunkRows)");
 
 struct Arrays {
   const void* in[kMaxRangeArrays];
@@ -77,86 +81,209 @@ __device__ __forceinline__ void Store(T* p, int n, const float (&v)[kVec]) {
   }
 }
 
+// kVec elements of T as stored (8 bytes for 2-byte types, 16 for float), and as floats.
+template <typename T> using RawVec = std::conditional_t<sizeof(T) == 4, float4, uint2>;
+template <typename T>
+__device__ __forceinline__ RawVec<T> LoadRaw(const T* p) { return *reinterpret_cast<const RawVec<T>*>(p); }
+template <typename T>
+__device__ __forceinline__ void Unpack(const RawVec<T>& u, float (&v)[kVec]) {
+  const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) v[e] = ToF(h[e]);
+}
+
+// The ranges of the table that meet output rows [c0, c0 + rows), clipped to both arrays and to those rows,
+// into spans[0, m) in table order (the order of the sums): (in_start, out_start - c0, len). Returns m, the
+// same in every thread. Reads table entries [base, base + n), n <= kRangeTile; all threads call it.
+__device__ __forceinline__ int StageSpans(const int32_t* __restrict__ ranges, int base, int n, bool gather,
+                                          int64_t in_rows, int64_t out_rows, int64_t c0, int rows,
+                                          int3* spans, int* warp_counts) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  int m = 0;
+  for (int i0 = 0; i0 < n; i0 += blockDim.x) {
+    const int i = i0 + threadIdx.x;
+    int3 sp = make_int3(0, 0, 0);
+    if (i < n) {
+      const int64_t s = ranges[3 * (base + i)], e = ranges[3 * (base + i) + 1], d = ranges[3 * (base + i) + 2];
+      const int64_t in0 = gather ? s : d, out0 = gather ? d : s;
+      const int64_t lo = max(max(int64_t(0), -in0), max(-out0, c0 - out0));
+      const int64_t hi = min(min(e - s, in_rows - in0), min(out_rows - out0, c0 + rows - out0));
+      if (hi > lo) sp = make_int3(int(in0 + lo), int(out0 + lo - c0), int(hi - lo));
+    }
+    // Ordered compaction: a warp's kept entries after those of the warps before it.
+    const unsigned kept = __ballot_sync(0xffffffffu, sp.z > 0);
+    __syncthreads();  // the previous round's counts (and the caller's previous spans) are read
+    if (lane == 0) warp_counts[warp] = __popc(kept);
+    __syncthreads();
+    int before = m, total = m;
+    for (int w = 0; w < warps; ++w) {
+      before += w < warp ? warp_counts[w] : 0;
+      total += warp_counts[w];
+    }
+    if (sp.z > 0) spans[before + __popc(kept & ((1u << lane) - 1u))] = sp;
+    m = total;
+  }
+  __syncthreads();
+  return m;
+}
+
+// The rows [b0, b0 + kRows) of a chunk that a span covers, as bits of (row - b0).
+__device__ __forceinline__ uint32_t BlockRows(int3 span, int b0) {
+  const int lo = max(span.y - b0, 0), hi = min(span.y + span.z - b0, kRows);
+  return hi > lo ? ((1u << hi) - 1u) & ~((1u << lo) - 1u) : 0u;
+}
+
+// The rows of a chunk a span covers, as bits of the chunk's rows (kChunkBlocks * kRows = 32 of them).
+__device__ __forceinline__ uint32_t ChunkRows(int3 span) {
+  return uint32_t(((1ull << (span.y + span.z)) - 1ull) & ~((1ull << span.y) - 1ull));
+}
+
+// A chunk whose spans cover each of its rows at most once (a packing table; the partials of one stage): a
+// row is a copy (or one add to its initial value), so it needs no float accumulator, and kCopyRows rows'
+// loads, inputs and initial values, are in flight together (2x the bytes of the accumulating walk for 2-byte
+// types, whose initial values also waited for its inputs). in and out point at this thread's columns, out at
+// the chunk's first row; rows: the chunk's rows.
+template <typename Tin, typename Tout, bool kInto>
+__device__ __forceinline__ void CopyDisjoint(const int3* spans, int m, const Tin* in, int64_t in_stride,
+                                             Tout* out, int64_t out_stride, int rows) {
+  // 16 loads in flight per thread (an input and an initial value per row for "into"; 8 with float rows).
+  constexpr int kCopyRows = (sizeof(Tin) == 2 && sizeof(Tout) == 2 ? 16 : 8) / (kInto ? 2 : 1);
+#pragma unroll 1
+  for (int p0 = 0; p0 < rows; p0 += kCopyRows) {
+    int src[kCopyRows];  // the input row of row p0 + r; -1 when no span covers it
+#pragma unroll
+    for (int r = 0; r < kCopyRows; ++r) src[r] = -1;
+    for (int i = 0; i < m; ++i) {
+      const int3 sp = spans[i];
+#pragma unroll
+      for (int r = 0; r < kCopyRows; ++r)
+        if (p0 + r >= sp.y && p0 + r < sp.y + sp.z) src[r] = sp.x + (p0 + r - sp.y);
+    }
+    RawVec<Tin> x[kCopyRows];
+    RawVec<Tout> old[kInto ? kCopyRows : 1];
+#pragma unroll
+    for (int r = 0; r < kCopyRows; ++r) {
+      if (src[r] < 0) continue;
+      x[r] = LoadRaw(in + int64_t(src[r]) * in_stride);
+      if constexpr (kInto) old[r] = LoadRaw(out + int64_t(p0 + r) * out_stride);
+    }
+#pragma unroll
+    for (int r = 0; r < kCopyRows; ++r) {
+      float v[kVec] = {};
+      if (src[r] >= 0) {
+        Unpack<Tin>(x[r], v);
+        if constexpr (kInto) {
+          float o[kVec];
+          Unpack<Tout>(old[r], o);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) v[e] += o[e];
+        }
+      }
+      if (p0 + r < rows && (src[r] >= 0 || !kInto)) Store<true>(out + int64_t(p0 + r) * out_stride, kVec, v);
+    }
+  }
+}
+
 // kAligned: every array's feature count and row strides are multiples of kVec (rows then start on
 // kVec-element boundaries).
 // kInto: out already holds the initial values; rows no range covers are not touched, covered rows become
 // out + sum.
-template <typename Tin, typename Tout, bool kAligned, bool kInto>
+// kOneTile: the table fits one shared-memory tile. A CTA then takes chunks of kChunkBlocks x kRows output
+// rows (the grid strides over them), clips the table to the chunk once, and each block of kRows rows walks
+// only the ranges that meet the chunk (usually one or two); a chunk whose rows are each covered at most once
+// is copied (CopyDisjoint) without the accumulator. A longer table is walked in tiles for each block
+// of kRows rows (twice for "into": its covered rows first).
+template <typename Tin, typename Tout, bool kAligned, bool kInto, bool kOneTile>
 __global__ void __launch_bounds__(kMaxThreads, 2)
     RangeSumKernel(const int32_t* __restrict__ ranges, int num_ranges, bool gather,
                    const __grid_constant__ Arrays arrays, int64_t in_rows,
                    int64_t out_rows) {
-  __shared__ int3 spans[kRangeTile];  // (in_start, out_start - r0, len) clipped; len 0 when it misses the CTA
+  __shared__ int3 spans[kRangeTile];
+  __shared__ int warp_counts[kMaxThreads / 32];
   const int j = blockIdx.z;  // arrays is a __grid_constant__: indexed in parameter space, no local copy
   const Tin* in = static_cast<const Tin*>(arrays.in[j]);
   Tout* out = static_cast<Tout*>(arrays.out[j]);
   const int64_t f = arrays.features[j], in_stride = arrays.in_stride[j], out_stride = arrays.out_stride[j];
   const int64_t col = (int64_t(blockIdx.y) * blockDim.x + threadIdx.x) * kVec;
   const int n_cols = int(min(int64_t(kVec), f - col));
+  constexpr int chunk_rows = kOneTile ? kChunkBlocks * kRows : kRows;
 
-  // The CTA strides over blocks of kRows output rows: after its first block the range table comes from L1,
-  // so a block costs one memory latency (its rows' loads) instead of two (the table, then the rows).
 #pragma unroll 1
-  for (int64_t r0 = int64_t(blockIdx.x) * kRows; r0 < out_rows; r0 += int64_t(gridDim.x) * kRows) {
-    float acc[kRows][kVec];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
-
-    uint32_t covered = 0;  // bit r: some range maps into CTA row r (the same in every thread)
-    for (int base = 0; base < num_ranges; base += kRangeTile) {
-      const int n = min(kRangeTile, num_ranges - base);
-      __syncthreads();  // the previous tile's (or block's) spans are read
-      for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const int64_t s = ranges[3 * (base + i)], e = ranges[3 * (base + i) + 1], d = ranges[3 * (base + i) + 2];
-        const int64_t in0 = gather ? s : d, out0 = gather ? d : s;
-        // Clip to both arrays and to this CTA's rows [r0, r0 + kRows).
-        const int64_t lo = max(max(int64_t(0), -in0), max(-out0, r0 - out0));
-        const int64_t hi = min(min(e - s, in_rows - in0), min(out_rows - out0, r0 + kRows - out0));
-        spans[i] = hi > lo ? make_int3(int(in0 + lo), int(out0 + lo - r0), int(hi - lo)) : make_int3(0, 0, 0);
+  for (int64_t c0 = int64_t(blockIdx.x) * chunk_rows; c0 < out_rows; c0 += int64_t(gridDim.x) * chunk_rows) {
+    const int rows_in_chunk = int(min(int64_t(chunk_rows), out_rows - c0));
+    int m = kOneTile ? StageSpans(ranges, 0, num_ranges, gather, in_rows, out_rows, c0, rows_in_chunk, spans,
+                                  warp_counts)
+                     : 0;
+    if constexpr (kOneTile && kAligned) {
+      uint32_t seen = 0;
+      bool disjoint = true;
+      for (int i = 0; i < m; ++i) {
+        const uint32_t bits = ChunkRows(spans[i]);
+        disjoint &= (seen & bits) == 0;
+        seen |= bits;
       }
-      __syncthreads();
-      if (n_cols <= 0) continue;
-      for (int i = 0; i < n; ++i) {
-        const int3 sp = spans[i];
-        if (sp.z == 0) continue;
-        const Tin* first = in + (int64_t(sp.x) - sp.y) * in_stride + col;  // the input row of CTA row 0
-        // Every row's load first, then the adds: the loads are in flight together instead of one latency each.
-        float v[kRows][kVec];
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-          if (r >= sp.y && r < sp.y + sp.z) Load<kAligned>(first + r * in_stride, n_cols, v[r]);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          if (r >= sp.y && r < sp.y + sp.z) {
-            covered |= 1u << r;
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[r][e] += v[r][e];
-          }
-        }
+      if (disjoint) {  // the same in every thread
+        if (n_cols > 0)
+          CopyDisjoint<Tin, Tout, kInto>(spans, m, in + col, in_stride, out + c0 * out_stride + col, out_stride,
+                                         rows_in_chunk);
+        continue;
       }
     }
-    if (n_cols <= 0) continue;  // no return: the other threads' next block has barriers
-    Tout* dst = out + r0 * out_stride + col;
-    const int rows = int(min(int64_t(kRows), out_rows - r0));
-    if constexpr (kInto) {
-      // The initial values, all loaded before any store (a store could alias a later row's load otherwise).
-      float old[kRows][kVec];
+#pragma unroll 1
+    for (int b0 = 0; b0 < rows_in_chunk; b0 += kRows) {  // b0: the block's first row in the chunk
+      const int rows = min(kRows, rows_in_chunk - b0);
+      float acc[kRows][kVec];
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
-        if (r < rows && (covered >> r & 1u)) Load<kAligned>(dst + r * out_stride, n_cols, old[r]);
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        if (r < rows && (covered >> r & 1u)) {
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[r][e] += old[r][e];
-          Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
+        for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
+      uint32_t covered = 0;  // bit r: some range maps into block row r (the same in every thread)
+      if constexpr (kInto) {
+        // The covered rows first, so that their initial values load into acc together with the inputs.
+        for (int base = 0; base < num_ranges; base += kRangeTile) {
+          if (!kOneTile)
+            m = StageSpans(ranges, base, min(kRangeTile, num_ranges - base), gather, in_rows, out_rows, c0,
+                           rows_in_chunk, spans, warp_counts);
+          for (int i = 0; i < m; ++i) covered |= BlockRows(spans[i], b0);
         }
-    } else {
+        const Tout* init = out + (c0 + b0) * out_stride + col;
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
-        if (r < rows) Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
+        for (int r = 0; r < kRows; ++r)
+          if (n_cols > 0 && r < rows && (covered >> r & 1u)) Load<kAligned>(init + r * out_stride, n_cols, acc[r]);
+      }
+      for (int base = 0; base < num_ranges; base += kRangeTile) {
+        if (!kOneTile)
+          m = StageSpans(ranges, base, min(kRangeTile, num_ranges - base), gather, in_rows, out_rows, c0,
+                         rows_in_chunk, spans, warp_counts);
+        if (n_cols <= 0) continue;
+        for (int i = 0; i < m; ++i) {
+          const int3 sp = spans[i];
+          const int y = sp.y - b0;  // the span's first row in this block's rows (may be negative)
+          if (y >= kRows || y + sp.z <= 0) continue;
+          const Tin* first = in + (int64_t(sp.x) - y) * in_stride + col;  // the input row of block row 0
+          // Every row's load first, then the adds: the loads are in flight together instead of one latency each.
+          float v[kRows][kVec];
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+            if (r >= y && r < y + sp.z) Load<kAligned>(first + r * in_stride, n_cols, v[r]);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r)
+            if (r >= y && r < y + sp.z)
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) acc[r][e] += v[r][e];
+        }
+      }
+      if (n_cols <= 0) continue;  // no return: the other threads' next chunk has barriers
+      Tout* dst = out + (c0 + b0) * out_stride + col;
+      if constexpr (kInto) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (r < rows && (covered >> r & 1u)) Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
+      } else {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+          if (r < rows) Store<kAligned>(dst + r * out_stride, n_cols, acc[r]);
+      }
     }
   }
 }
@@ -173,23 +300,30 @@ cudaError_t LaunchRangeSum(cudaStream_t stream, const int32_t* ranges, int num_r
   if (out_rows == 0 || max_f == 0) return cudaSuccess;
   const int64_t vecs = (max_f + kVec - 1) / kVec;
   const int threads = int(std::min<int64_t>(kMaxThreads, (vecs + 31) / 32 * 32));
-  const int64_t row_blocks = (out_rows + kRows - 1) / kRows;
+  const int chunk_rows = num_ranges <= kRangeTile ? kChunkBlocks * kRows : kRows;
+  const int64_t chunks = (out_rows + chunk_rows - 1) / chunk_rows;
   const unsigned col_blocks = unsigned((vecs + threads - 1) / threads);
   auto launch = [&](auto kernel) -> cudaError_t {
-    // As many CTAs as are resident at once (the kernel strides over the row blocks), never more than blocks.
+    // As many CTAs as are resident at once (the kernel strides over the chunks), never more than chunks.
     int sms = 0, per_sm = 0;
     if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
     if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0);
         err != cudaSuccess)
       return err;
     const int64_t resident = std::max<int64_t>(1, int64_t(sms) * std::max(per_sm, 1) / (col_blocks * num_arrays));
-    const dim3 grid(unsigned(std::min(row_blocks, resident)), col_blocks, unsigned(num_arrays));
+    const dim3 grid(unsigned(std::min(chunks, resident)), col_blocks, unsigned(num_arrays));
     kernel<<<grid, threads, 0, stream>>>(ranges, num_ranges, gather, arrays, in_rows, out_rows);
     return cudaGetLastError();
   };
-  if (aligned)
-    return into ? launch(RangeSumKernel<Tin, Tout, true, true>) : launch(RangeSumKernel<Tin, Tout, true, false>);
-  return into ? launch(RangeSumKernel<Tin, Tout, false, true>) : launch(RangeSumKernel<Tin, Tout, false, false>);
+  auto pick = [&](auto aligned_tag) -> cudaError_t {
+    constexpr bool kAligned = decltype(aligned_tag)::value;
+    if (num_ranges <= kRangeTile)
+      return into ? launch(RangeSumKernel<Tin, Tout, kAligned, true, true>)
+                  : launch(RangeSumKernel<Tin, Tout, kAligned, false, true>);
+    return into ? launch(RangeSumKernel<Tin, Tout, kAligned, true, false>)
+                : launch(RangeSumKernel<Tin, Tout, kAligned, false, false>);
+  };
+  return aligned ? pick(std::true_type{}) : pick(std::false_type{});
 }
 
 template <typename Tin>

@@ -44,18 +44,33 @@ def test_packed_range_ops_cuda_equal_separate_ones(features):
     assert_packed_range_ops_equal_separate(k, v, g, init, ranges)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("features", [(8, 128), (3, 5)])     # vectorised rows, and rows of odd length
-def test_range_ops_cuda_match_numpy(dtype, features):
-    """The CUDA range kernels against numpy: 700 ranges (several shared-memory tiles), overlapping
-    destinations, ranges clipped at both ends, two arrays, float32 output of the scatter-add."""
-    rng = np.random.default_rng(0)
-    n_in, n_out = 3000, 2500
-    lens = rng.integers(0, 40, 700)
-    src = rng.integers(-20, n_in, 700)
-    dst = rng.integers(-20, n_out, 700)
+def range_table(kind: str, rng, n_in: int, n_out: int) -> np.ndarray:
+    """long: 700 ranges (several shared-memory tiles); short: 120 (one tile), both with overlapping
+    destinations; disjoint: 50 ranges, no row in two of them on either side (a packing table: the kernels'
+    copy path), in shuffled order. All clipped at both ends, with padding rows."""
+    if kind == "disjoint":
+        lens = rng.integers(1, 45, 50)
+        src = rng.permutation(n_in // 45)[:50] * 45 - 10
+        dst = rng.permutation(n_out // 45 + 1)[:50] * 45 - 10
+    else:
+        n = 700 if kind == "long" else 120
+        lens = rng.integers(0, 40, n)
+        src = rng.integers(-20, n_in, n)
+        dst = rng.integers(-20, n_out, n)
     ranges = np.stack([src, src + lens, dst], axis=1).astype(np.int32)
     ranges[::7] = 0                                                     # padding rows
+    return ranges
+
+
+@pytest.mark.parametrize("table", ["long", "short", "disjoint"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("features", [(8, 128), (3, 5)])     # vectorised rows, and rows of odd length
+def test_range_ops_cuda_match_numpy(dtype, features, table):
+    """The CUDA range kernels against numpy: tables of each kind (range_table), two arrays, float32 output
+    of the scatter-add, in place from an init."""
+    rng = np.random.default_rng(0)
+    n_in, n_out = 3000, 2500
+    ranges = range_table(table, rng, n_in, n_out)
     x = rng.standard_normal((n_in, *features)).astype(np.float32)
     w = rng.standard_normal((n_in, 4)).astype(np.float32)
     xd, wd = (jnp.asarray(a, dtype) for a in (x, w))
