@@ -463,9 +463,10 @@ _attn.defvjp(_attn_fwd, _backward)
 
 
 BACKWARDS = ("staged", "fused")
-# The forward's persistent grid holds every SM until it ends, so a group_cast launched beside it would wait
-# for it; leaving a few SMs free lets NCCL's kernel run (MagiAttention observes 4-8 suffice for all-to-all).
-SM_MARGIN = 8
+# SMs the forward calls beside a group_cast leave out of their persistent grid. 0: the collective's kernel,
+# launched first, holds its SMs while it runs and the forward's CTAs there join when it ends, taking the next
+# tile in line; on 2 H200s 0.7% faster forward+backward than 8 and 0.3% than 4 (BENCHMARKS.md 2026-11-30 11:45).
+SM_MARGIN = 0
 
 
 def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype,
@@ -498,8 +499,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     next call; the calls share one delta, dQ summed in place in one float32 buffer) or "fused" (one call
     over the local and all fetched keys, then the partials travel back, not overlapped; 1-2% slower
     forward+backward on 2 H200s, BENCHMARKS.md 2026-11-30 08:23); ``sm_margin``: SMs that the forward calls
-    running beside a group_cast leave free for it (flex_flash_attn's sm_margin; 0 serialises the transfer
-    behind the call); the rest as flex_flash_attn.
+    running beside a group_cast leave free for it (flex_flash_attn's sm_margin; default 0: the collective,
+    launched first, keeps its SMs and the call's CTAs there join later); the rest as flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):
