@@ -172,6 +172,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       MbarInit(&bars.tile_empty[i], Tile::kConsumerThreads);
     }
     bars.tail_first = TailSectionStart(p, int(gridDim.x));
+    bars.tiles = VisitedTiles(p);
     MbarInitFence();
   }
   __syncthreads();
@@ -194,22 +195,24 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     int tile = 0;
     if (lane == 0) tile = atomicAdd(p.counter, 1);
     tile = __shfl_sync(0xffffffffu, tile, 0);
+    const int tiles = bars.tiles;
     while (true) {
-      // Decode the tile and find its first step, then publish both (FwdTileRecord).
+      // Decode the tile and find its first step, then publish both (FwdTileRecord); past the last tile, the
+      // record says num_tiles (the consumers' end).
       int qb = 0, h = 0;
-      if (tile < p.num_tiles) DecodeTile(p, bars.tail_first, tile, &qb, &h);
+      if (tile < tiles) DecodeTile(p, bars.tail_first, tiles, tile, &qb, &h);
       const SliceWalk walk(args, fp.lists, qb);  // q block 0 past the last tile: read, not walked
       FwdStep first;
       first.cur = -1;
-      if (tile < p.num_tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, walk.First(args), &first);
+      if (tile < tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, walk.First(args), &first);
       if (lane == 0) {
         MbarWait(&bars.tile_empty[slot.stage], slot.phase ^ 1);
-        const int decoded = tile < p.num_tiles ? qb * fp.hq + h : p.num_tiles;
+        const int decoded = tile < tiles ? qb * fp.hq + h : p.num_tiles;
         bars.tile[slot.stage] = FwdTileRecord::Of(args, walk, decoded, first);
         MbarArrive(&bars.tile_full[slot.stage]);
       }
       slot.Advance();
-      if (tile >= p.num_tiles) break;
+      if (tile >= tiles) break;
       // The next tile, taken now: the atomic's latency passes under this tile's loads.
       int next = 0;
       if (lane == 0) next = atomicAdd(p.counter, 1);

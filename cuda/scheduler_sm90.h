@@ -34,6 +34,9 @@ struct FwdSm90Params {
   const int32_t* order;  // [num q blocks]: q blocks by decreasing work
   int32_t* counter;      // zeroed before the launch
   int num_tiles;         // q blocks x hq
+  // The number of q blocks with keys (FwdWorkKernel), for a merging call: the tiles of the others are
+  // skipped (the order lists them last). Null: every tile is visited.
+  const int32_t* live_blocks;
   int section_heads;     // q heads per L2 section: a multiple of hq / hkv
   // [0] the work of one head's q blocks, [1] the largest q block's (FwdWorkKernel's atomics; zero when the
   // work is not computed: no tail merge)
@@ -119,9 +122,14 @@ MAGI_DEV int TailSectionStart(const FwdSm90Params& p, int ctas) {
   return TailFirstHead(p.base.hq, p.base.hq / p.base.hkv, p.section_heads, p.work_stats[0], p.work_stats[1], ctas);
 }
 
-// Tile t -> (q block, head) (tile_order.h SectionTile).
-MAGI_DEV void DecodeTile(const FwdSm90Params& p, int tail_first, int t, int* qb, int* h) {
-  SectionTile(p.order, p.num_tiles / p.base.hq, p.base.hq, p.section_heads, tail_first, t, qb, h);
+// The tiles the call visits: all of them, or those of the q blocks with keys (live_blocks).
+MAGI_DEV int VisitedTiles(const FwdSm90Params& p) {
+  return p.live_blocks != nullptr ? *p.live_blocks * p.base.hq : p.num_tiles;
+}
+
+// Tile t < tiles (VisitedTiles) -> (q block, head) (tile_order.h SectionTile).
+MAGI_DEV void DecodeTile(const FwdSm90Params& p, int tail_first, int tiles, int t, int* qb, int* h) {
+  SectionTile(p.order, tiles / p.base.hq, p.base.hq, p.section_heads, tail_first, t, qb, h);
 }
 
 }  // namespace magi_jax::cuda

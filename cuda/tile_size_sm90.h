@@ -85,6 +85,7 @@ struct FwdSm90Barriers {
   uint64_t tile_full[2], tile_empty[2];
   FwdTileRecord tile[2];
   int tail_first;  // the scheduler's last-section start (TailSectionStart), set before the first tile
+  int tiles;       // the tiles the call visits (VisitedTiles), set with it
 };
 
 

@@ -119,15 +119,18 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
                                      as_np(jnp.concatenate([dv, dv2]))]
 
 
-def merged_forward(mask: AttnMask, q, k, v, cut: int):
+def merged_forward(mask: AttnMask, q, k, v, cut: int, first_too: bool = False):
     """The FFA forward over the mask's slices in one call, and in two: slices [:cut], then slices [cut:]
     merging into the first call's out and lse (ffa._fwd_call's prev, as the distributed forward's stage
-    calls do). Returns ((out, lse) of one call, (out, lse) of the two), float32 numpy."""
+    calls do). Returns ((out, lse) of one call, (out, lse) of the two), float32 numpy; first_too: also the
+    first of the two calls alone, between them."""
     from magi_jax import ffa
     args, scale = _kernel_args(mask, q)
-    one = jax.jit(lambda q, k, v: ffa._fwd_call(q, k, v, *args, scale, 0.0))(q, k, v)
-    two = jax.jit(lambda q, k, v: _two_forward_calls(q, k, v, args, scale, cut))(q, k, v)
-    return [np.asarray(x, np.float32) for x in one], [np.asarray(x, np.float32) for x in two]
+    calls = [lambda q, k, v: ffa._fwd_call(q, k, v, *args, scale, 0.0)]
+    if first_too:
+        calls.append(lambda q, k, v: ffa._fwd_call(q, k, v, *(a[:cut] for a in args), scale, 0.0))
+    calls.append(lambda q, k, v: _two_forward_calls(q, k, v, args, scale, cut))
+    return [[np.asarray(x, np.float32) for x in jax.jit(f)(q, k, v)] for f in calls]
 
 
 def packed_kv_forward(mask: AttnMask, q, k, v, cut: int):

@@ -448,6 +448,16 @@ def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
+def test_merged_forward_leaves_rows_without_keys_as_they_were(d):
+    # The merging call's q blocks without keys (rows [0, 512) here: the first four of 128 rows; its slice
+    # starts at row 550) are not visited at all: they keep the first call's out and lse bit for bit.
+    mask, (q, k, v) = two_call_case(d, seed=d + 3)
+    first, two = merged_forward(mask, q, k, v, cut=2, first_too=True)[1:]
+    for a, b in zip(first, two):
+        np.testing.assert_array_equal(a[:512].view(np.uint8), b[:512].view(np.uint8))
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_forward_merged_into_a_previous_call_matches_one_call(d):
     # The distributed forward's stage calls: the kernel merges its part into the out and lse so far, in place
     # (this file runs on the default sm90 kernels, tests/test_ffa_mma_gpu.py on mma.sync).
