@@ -4,7 +4,8 @@ Every sequence packs synthetic documents: each is an arithmetic progression modu
 random start and step, so predicting the next token needs the document's earlier tokens (attention) and
 nothing from other documents (the varlen causal mask). Everything runs in dispatched order: tokens, labels
 and RoPE positions (magi_jax.position_ids) are dispatched once per step, and the attention of every layer is
-magi_jax.calc_attn on the (dp, cp) mesh: batch over dp, tokens over cp. One jitted step (forward, backward,
+magi_jax.calc_attn on the (dp, cp) mesh: batch over dp, tokens over cp. Each layer is rematerialised in the
+backward pass except its attention output (magi_jax.CHECKPOINT_NAMES). One jitted step (forward, backward,
 Adam); the loss falls from ln(vocab).
 
     python examples/train_lm.py                 # 8 CPU devices (dp 2 x cp 4) unless GPUs are present
@@ -85,20 +86,31 @@ def rope(x, positions):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
+def block(x, layer, positions, plan, cfg):
+    """One decoder layer on the residual stream x [B, T, width]."""
+    B, T, _ = x.shape
+    h = rms_norm(x, layer["norm1"]).astype(cfg.dtype)
+    q = (h @ layer["wq"].astype(cfg.dtype)).reshape(B, T, cfg.heads, cfg.head_dim)
+    k = (h @ layer["wk"].astype(cfg.dtype)).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+    v = (h @ layer["wv"].astype(cfg.dtype)).reshape(B, T, cfg.kv_heads, cfg.head_dim)
+    q, k = rope(q, positions), rope(k, positions)
+    attn, _ = mj.calc_attn(q, k, v, plan)
+    x = x + (attn.reshape(B, T, -1) @ layer["wo"].astype(cfg.dtype)).astype(jnp.float32)
+    h = rms_norm(x, layer["norm2"]).astype(cfg.dtype)
+    return x + (jax.nn.gelu(h @ layer["w1"].astype(cfg.dtype)) @ layer["w2"].astype(cfg.dtype)).astype(jnp.float32)
+
+
+# Long-context training keeps few activations: each layer is recomputed in the backward pass except the
+# attention's out and lse, saved by name, so the attention forward (and its key fetch) runs once per step.
+remat_block = jax.checkpoint(block, static_argnums=(3, 4),
+                             policy=jax.checkpoint_policies.save_only_these_names(*mj.CHECKPOINT_NAMES))
+
+
 def forward(params, tokens, positions, plan, cfg):
     """Logits [B, T, vocab] of dispatched tokens [B, T]."""
-    B, T = tokens.shape
     x = params["embed"][tokens]
     for layer in params["layers"]:
-        h = rms_norm(x, layer["norm1"]).astype(cfg.dtype)
-        q = (h @ layer["wq"].astype(cfg.dtype)).reshape(B, T, cfg.heads, cfg.head_dim)
-        k = (h @ layer["wk"].astype(cfg.dtype)).reshape(B, T, cfg.kv_heads, cfg.head_dim)
-        v = (h @ layer["wv"].astype(cfg.dtype)).reshape(B, T, cfg.kv_heads, cfg.head_dim)
-        q, k = rope(q, positions), rope(k, positions)
-        attn, _ = mj.calc_attn(q, k, v, plan)
-        x = x + (attn.reshape(B, T, -1) @ layer["wo"].astype(cfg.dtype)).astype(jnp.float32)
-        h = rms_norm(x, layer["norm2"]).astype(cfg.dtype)
-        x = x + (jax.nn.gelu(h @ layer["w1"].astype(cfg.dtype)) @ layer["w2"].astype(cfg.dtype)).astype(jnp.float32)
+        x = remat_block(x, layer, positions, plan, cfg)
     return rms_norm(x, params["norm"]) @ params["head"]
 
 

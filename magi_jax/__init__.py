@@ -3,8 +3,8 @@
 from magi_jax import masks
 from magi_jax.dist_attn import (MeshPlan, calc_attn, calc_attn_local, dispatch, plan, position_ids,
                                 undispatch)
-from magi_jax.ffa import flex_flash_attn
+from magi_jax.ffa import CHECKPOINT_NAMES, flex_flash_attn
 from magi_jax.mask import AttnMask, AttnMaskType
 
 __all__ = ["AttnMask", "AttnMaskType", "flex_flash_attn", "masks", "MeshPlan", "plan", "dispatch", "undispatch",
-           "position_ids", "calc_attn", "calc_attn_local"]
+           "position_ids", "calc_attn", "calc_attn_local", "CHECKPOINT_NAMES"]

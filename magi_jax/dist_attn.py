@@ -455,7 +455,7 @@ def _attn(q, k, v, cfg):
 
 
 def _attn_fwd(q, k, v, cfg):
-    out, lse = _forward(q, k, v, cfg)
+    out, lse = ffa.named_for_checkpoint(*_forward(q, k, v, cfg))
     return (out, lse), (q, k, v, out, lse)
 
 
@@ -529,7 +529,8 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
     replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype, backward, sm_margin)."""
+    reduce_wire_dtype, backward, sm_margin). Under jax.checkpoint, out and lse are saveable by name
+    (magi_jax.CHECKPOINT_NAMES): the backward pass then does not run the attention forward again."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
     for name, x in (("q", q), ("k", k), ("v", v)):

@@ -7,12 +7,17 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from magi_jax import _ffi
 from magi_jax.mask import AttnMask
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# The names that flex_flash_attn and calc_attn give their out and lse as saved for the backward: under
+# jax.checkpoint, the policy jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES) keeps them,
+# so the backward pass does not run the attention forward again (by default it does).
+CHECKPOINT_NAMES = ("magi_attn_out", "magi_attn_lse")
 
 
 def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_ranges=None,
@@ -29,6 +34,7 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     into one varlen mask is faster). sm_margin > 0 leaves that many SMs out of the forward's persistent grid (Hopper),
     for a collective the caller runs beside it: a persistent kernel holds every SM until it ends, so a
     communication kernel launched after it would otherwise wait. Differentiable in q, k, v (and through lse).
+    Under jax.checkpoint, out and lse are saveable by name (CHECKPOINT_NAMES).
 
     Example::
 
@@ -138,8 +144,14 @@ def _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, determinist
     return _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin)
 
 
+def named_for_checkpoint(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """out and lse tagged with CHECKPOINT_NAMES (identities outside jax.checkpoint)."""
+    return checkpoint_name(out, CHECKPOINT_NAMES[0]), checkpoint_name(lse, CHECKPOINT_NAMES[1])
+
+
 def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
-    out, lse = _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin)
+    out, lse = named_for_checkpoint(*_fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap,
+                                               sm_margin))
     return (out, lse), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
 
 

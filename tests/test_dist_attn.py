@@ -352,3 +352,30 @@ def test_heads_over_a_tensor_parallel_axis():
     kd = mj.dispatch(k, mp)
     text = jax.jit(lambda q, k: mj.calc_attn(q, k, k, mp, head_axes="tp")).lower(qd, kd).compile().as_text()
     assert "all-gather" not in text
+
+
+def test_checkpoint_policy_keeps_the_forward_out_of_the_backward():
+    # calc_attn under jax.checkpoint: by default the backward pass runs the host and stage forward calls
+    # again; a policy saving magi_jax.CHECKPOINT_NAMES keeps out and lse instead, with the same gradients.
+    mesh = mesh_of(2)
+    mask = masks.varlen_causal(DOCS)
+    mp = mj.plan(mask, mesh, chunk_size=16, overlap=2, num_heads_q=2, head_dim=64)
+    rng = np.random.default_rng(9)
+    q, k, v = (mj.dispatch(jnp.asarray(rng.standard_normal((mask.total_seqlen_q, 2, 64)), jnp.float32), mp)
+               for _ in range(3))
+
+    def loss(q, k, v):
+        out, lse = mj.calc_attn(q, k, v, mp)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    def run(fn):
+        grad = jax.grad(fn, argnums=(0, 1, 2))
+        return jax.jit(grad)(q, k, v), str(jax.make_jaxpr(grad)(q, k, v)).count("magi_jax_ffa_fwd")
+
+    want, calls = run(loss)
+    _, remat_calls = run(jax.checkpoint(loss))
+    got, saved_calls = run(jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names(
+        *mj.CHECKPOINT_NAMES)))
+    assert calls == mp.num_stages + 1 and remat_calls == 2 * calls and saved_calls == calls
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
