@@ -25,7 +25,7 @@
 namespace magi_jax::cuda {
 namespace {
 
-constexpr int kRows = 8;           // output rows per CTA
+constexpr int kRows = 8;           // output rows per block (a CTA accumulates one block at a time)
 constexpr int kVec = 4;            // consecutive elements per thread
 constexpr int kMaxThreads = 256;
 constexpr int kRangeTile = 256;    // ranges staged in shared memory at a time
