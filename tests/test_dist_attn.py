@@ -19,7 +19,7 @@ from magi_jax.planner import make_plan
 from magi_jax.reference import attention_f64
 from tests.conftest import assert_within_rule, random_qkv
 from tests.test_dist_helpers import (DOCS, check_dist, collective_dependencies, count_ops, families, global_fn,
-                                     mesh_of, random_mask)
+                                     mesh_of, random_mask, remat_grads)
 
 # Every family once, the (cp, overlap) pairs rotating so that each cp and each degree 0..4 recurs.
 FAMILY_CASES = [
@@ -357,25 +357,7 @@ def test_heads_over_a_tensor_parallel_axis():
 def test_checkpoint_policy_keeps_the_forward_out_of_the_backward():
     # calc_attn under jax.checkpoint: by default the backward pass runs the host and stage forward calls
     # again; a policy saving magi_jax.CHECKPOINT_NAMES keeps out and lse instead, with the same gradients.
-    mesh = mesh_of(2)
-    mask = masks.varlen_causal(DOCS)
-    mp = mj.plan(mask, mesh, chunk_size=16, overlap=2, num_heads_q=2, head_dim=64)
-    rng = np.random.default_rng(9)
-    q, k, v = (mj.dispatch(jnp.asarray(rng.standard_normal((mask.total_seqlen_q, 2, 64)), jnp.float32), mp)
-               for _ in range(3))
-
-    def loss(q, k, v):
-        out, lse = mj.calc_attn(q, k, v, mp)
-        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
-
-    def run(fn):
-        grad = jax.grad(fn, argnums=(0, 1, 2))
-        return jax.jit(grad)(q, k, v), str(jax.make_jaxpr(grad)(q, k, v)).count("magi_jax_ffa_fwd")
-
-    want, calls = run(loss)
-    _, remat_calls = run(jax.checkpoint(loss))
-    got, saved_calls = run(jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names(
-        *mj.CHECKPOINT_NAMES)))
-    assert calls == mp.num_stages + 1 and remat_calls == 2 * calls and saved_calls == calls
+    want, got, calls, mp = remat_grads(masks.varlen_causal(DOCS), mesh_of(2))
+    assert calls == (mp.num_stages + 1, 2 * (mp.num_stages + 1), mp.num_stages + 1)
     for a, b in zip(want, got):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)

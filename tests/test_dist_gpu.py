@@ -12,7 +12,7 @@ import magi_jax as mj
 from magi_jax import comm, masks
 from tests.conftest import has_gpu
 from tests.test_dist_helpers import (DOCS, assert_packed_range_ops_equal_separate, async_overlap, check_dist,
-                                     collective_dependencies, families, mesh_of, random_mask)
+                                     collective_dependencies, families, mesh_of, random_mask, remat_grads)
 
 
 def _two_gpus() -> bool:
@@ -124,6 +124,16 @@ def test_transports_2gpu(transport):
 def test_staged_backward_2gpu(overlap):
     # One backward call per stage, dQ chained in float32 from call to call (aliased in place on the GPU).
     check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=overlap, backward="staged", hq=4, hkv=4, **BF16)
+
+
+def test_checkpoint_policy_keeps_the_forward_out_of_the_backward_2gpu():
+    # As on CPU devices, with the CUDA kernels (deterministic backward; the loss's own fusions may round
+    # differently in the two programs: a bf16 ulp).
+    want, got, calls, mp = remat_grads(masks.varlen_causal(GDOCS), gpu_mesh(), chunk_size=128, hq=4, d=128,
+                                       dtype=jnp.bfloat16, deterministic=True)
+    assert calls == (mp.num_stages + 1, 2 * (mp.num_stages + 1), mp.num_stages + 1)
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("hq, hkv, overlap", [(8, 2, 2), (4, 1, 4)])

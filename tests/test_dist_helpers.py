@@ -4,6 +4,7 @@ global round trip dispatch -> calc_attn -> undispatch checked against the float6
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -75,6 +76,31 @@ def check_dist(mask: AttnMask, mesh: Mesh, *, overlap=2, chunk_size=16, hq=2, hk
     fn = global_fn(mp, softmax_scale=softmax_scale, softcap=softcap, **options)
     check_against_reference(fn, mask, q, k, v, rng, softmax_scale, softcap)
     return mp
+
+
+def remat_grads(mask: AttnMask, mesh: Mesh, *, chunk_size=16, hq=2, d=64, dtype=np.float32, **options):
+    """calc_attn's gradients of a loss through out and lse, without jax.checkpoint and under it with the
+    policy that saves magi_jax.CHECKPOINT_NAMES, and the attention forward calls of each program: without,
+    under plain jax.checkpoint (the backward pass reruns the forward), with the policy. Returns
+    (grads without, grads with the policy, (calls, remat calls, policy calls), plan)."""
+    mp = mj.plan(mask, mesh, chunk_size=chunk_size, overlap=2, num_heads_q=hq, head_dim=d)
+    rng = np.random.default_rng(9)
+    q, k, v = (mj.dispatch(x, mp) for x in random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hq, d,
+                                                           dtype))
+
+    def loss(q, k, v):
+        out, lse = mj.calc_attn(q, k, v, mp, **options)
+        return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    def run(fn):
+        grad = jax.grad(fn, argnums=(0, 1, 2))
+        return jax.jit(grad)(q, k, v), str(jax.make_jaxpr(grad)(q, k, v)).count("magi_jax_ffa_fwd")
+
+    want, calls = run(loss)
+    remat_calls = run(jax.checkpoint(loss))[1]
+    policy = jax.checkpoint_policies.save_only_these_names(*mj.CHECKPOINT_NAMES)
+    got, saved_calls = run(jax.checkpoint(loss, policy=policy))
+    return want, got, (calls, remat_calls, saved_calls), mp
 
 
 # ---------------------------------------------------------------------------------------------------------
