@@ -119,6 +119,24 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
                                      as_np(jnp.concatenate([dv, dv2]))]
 
 
+def remat_grads_and_calls(loss, *args):
+    """loss's gradients without jax.checkpoint and under it with the policy saving magi_jax.CHECKPOINT_NAMES,
+    and the FFA forward calls of each program: without, under plain jax.checkpoint (the backward pass
+    reruns the forward), with the policy. Returns (grads without, grads with the policy, (calls, remat
+    calls, policy calls))."""
+    import magi_jax as mj
+
+    def run(fn):
+        grad = jax.grad(fn, argnums=tuple(range(len(args))))
+        return jax.jit(grad)(*args), str(jax.make_jaxpr(grad)(*args)).count("magi_jax_ffa_fwd")
+
+    want, calls = run(loss)
+    remat_calls = run(jax.checkpoint(loss))[1]
+    got, saved_calls = run(jax.checkpoint(loss, policy=jax.checkpoint_policies.save_only_these_names(
+        *mj.CHECKPOINT_NAMES)))
+    return want, got, (calls, remat_calls, saved_calls)
+
+
 def merged_forward(mask: AttnMask, q, k, v, cut: int, first_too: bool = False):
     """The FFA forward over the mask's slices in one call, and in two: slices [:cut], then slices [cut:]
     merging into the first call's out and lse (ffa._fwd_call's prev, as the distributed forward's stage

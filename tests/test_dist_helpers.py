@@ -11,7 +11,7 @@ from jax.sharding import Mesh
 import magi_jax as mj
 from magi_jax import comm, masks
 from magi_jax.mask import AttnMask
-from tests.conftest import check_against_reference, random_qkv
+from tests.conftest import check_against_reference, random_qkv, remat_grads_and_calls
 
 # 380 tokens: not a multiple of chunk_size * cp for most settings, so the plans pad.
 DOCS = [61, 7, 90, 1, 18, 127, 4, 72]
@@ -79,10 +79,7 @@ def check_dist(mask: AttnMask, mesh: Mesh, *, overlap=2, chunk_size=16, hq=2, hk
 
 
 def remat_grads(mask: AttnMask, mesh: Mesh, *, chunk_size=16, hq=2, d=64, dtype=np.float32, **options):
-    """calc_attn's gradients of a loss through out and lse, without jax.checkpoint and under it with the
-    policy that saves magi_jax.CHECKPOINT_NAMES, and the attention forward calls of each program: without,
-    under plain jax.checkpoint (the backward pass reruns the forward), with the policy. Returns
-    (grads without, grads with the policy, (calls, remat calls, policy calls), plan)."""
+    """remat_grads_and_calls of a loss through calc_attn's out and lse, and the plan."""
     mp = mj.plan(mask, mesh, chunk_size=chunk_size, overlap=2, num_heads_q=hq, head_dim=d)
     rng = np.random.default_rng(9)
     q, k, v = (mj.dispatch(x, mp) for x in random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hq, d,
@@ -92,15 +89,7 @@ def remat_grads(mask: AttnMask, mesh: Mesh, *, chunk_size=16, hq=2, d=64, dtype=
         out, lse = mj.calc_attn(q, k, v, mp, **options)
         return jnp.sum(jnp.sin(out.astype(jnp.float32))) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
-    def run(fn):
-        grad = jax.grad(fn, argnums=(0, 1, 2))
-        return jax.jit(grad)(q, k, v), str(jax.make_jaxpr(grad)(q, k, v)).count("magi_jax_ffa_fwd")
-
-    want, calls = run(loss)
-    remat_calls = run(jax.checkpoint(loss))[1]
-    policy = jax.checkpoint_policies.save_only_these_names(*mj.CHECKPOINT_NAMES)
-    got, saved_calls = run(jax.checkpoint(loss, policy=policy))
-    return want, got, (calls, remat_calls, saved_calls), mp
+    return (*remat_grads_and_calls(loss, q, k, v), mp)
 
 
 # ---------------------------------------------------------------------------------------------------------
