@@ -465,7 +465,7 @@ _attn.defvjp(_attn_fwd, _backward)
 BACKWARDS = ("staged", "fused")
 # SMs the forward calls beside a group_cast leave out of their persistent grid. 0: the collective's kernel,
 # launched first, holds its SMs while it runs and the forward's CTAs there join when it ends, taking the next
-# tile in line; on 2 H200s 0.7% faster forward+backward than 8 and 0.3% than 4 (BENCHMARKS.md 2026-11-30 11:45).
+# tile in line; on 2 H200s 0.7% faster forward+backward than 8 and 0.3% than 4 (BENCHMARKS.md 2026-11-30 10:25).
 SM_MARGIN = 0
 
 
