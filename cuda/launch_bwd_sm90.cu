@@ -27,8 +27,7 @@ namespace {
 constexpr int kWorkWarps = 8;
 constexpr int kTileThreads = 256;
 
-// work[kb] = KvBlockWork of k block kb (BN keys, row steps of BM); stats[0] += it, stats[1] = the largest. A
-// warp per k block.
+// The work of k block kb, KvBlockWork (BN keys, row steps of BM), recorded (RecordWork). A warp per k block.
 template <int BN, int BM>
 __global__ void __launch_bounds__(kWorkWarps * 32) BwdWorkKernel(SliceArgs args, BlockLists lists, int num_kb,
                                                                  int group, int32_t* work, unsigned long long* stats) {
@@ -37,11 +36,7 @@ __global__ void __launch_bounds__(kWorkWarps * 32) BwdWorkKernel(SliceArgs args,
   const SliceWalk walk(args, lists, kb / (kKBlock / BN));
   const int64_t c0 = int64_t(kb) * BN;
   const int w = KvBlockWork(walk, args, c0, c0 + BN, group, BM);
-  if ((threadIdx.x & 31) == 0) {
-    work[kb] = w;
-    atomicAdd(&stats[0], static_cast<unsigned long long>(w));
-    atomicMax(&stats[1], static_cast<unsigned long long>(w));
-  }
+  if ((threadIdx.x & 31) == 0) RecordWork(work, stats, kb, w);
 }
 
 // tiles[t] = k block + num_kb * kv head of the grid's t-th CTA (SectionTile over kv heads, sections of `per`).

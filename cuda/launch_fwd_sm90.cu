@@ -22,8 +22,8 @@ namespace {
 
 constexpr int kWorkWarps = 8;
 
-// work[qb] = key tiles visited by q block qb, plus one (scheduler_sm90.h); stats[0] += it, stats[1] = the
-// largest; *live += 1 when the block has keys. One warp per q block.
+// The work of q block qb, key tiles visited plus one (scheduler_sm90.h), recorded (RecordWork); *live += 1
+// when the block has keys. One warp per q block.
 template <int BN>
 __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args, BlockLists lists, int num_blocks,
                                                                  int32_t* work, unsigned long long* stats,
@@ -32,9 +32,7 @@ __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args,
   if (qb >= num_blocks) return;  // whole warps leave together
   const int w = FwdBlockWork(args, lists, qb, kQBlock, BN);
   if ((threadIdx.x & 31) == 0) {
-    work[qb] = w;
-    atomicAdd(&stats[0], static_cast<unsigned long long>(w));
-    atomicMax(&stats[1], static_cast<unsigned long long>(w));
+    RecordWork(work, stats, qb, w);
     if (w > 1) atomicAdd(live, 1);
   }
 }

@@ -32,6 +32,14 @@ MAGI_DEV int TailFirstHead(int heads, int group, int per, unsigned long long tot
   return tail >= heads ? 0 : (heads - tail) / per * per;
 }
 
+// One block's work w, counted by a work kernel (one thread per block): work[b] = w, and the stats that
+// TailFirstHead reads: stats[0] += w (total), stats[1] = the largest (longest).
+MAGI_DEV void RecordWork(int32_t* work, unsigned long long* stats, int b, int w) {
+  work[b] = w;
+  atomicAdd(&stats[0], static_cast<unsigned long long>(w));
+  atomicMax(&stats[1], static_cast<unsigned long long>(w));
+}
+
 // Tile t -> (block, head): sections of `per` heads before head tail_first, then one section of the rest;
 // within a section, tile i is block order[i / width], head first + i % width (a block's heads side by side).
 MAGI_DEV void SectionTile(const int32_t* order, int num_blocks, int heads, int per, int tail_first, int t,
