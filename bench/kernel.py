@@ -71,13 +71,15 @@ def ffa(mask: AttnMask, deterministic: bool = False) -> Callable:
 # (cuda/handlers.cu, cuda/launch.h), to measure a scheduler's share side by side: ffa_grid, the sm90 forward
 # without its persistent scheduler (one CTA per tile); ffa_natural, the forward's q blocks not longest first;
 # ffa_l2all, the tiles of both passes in one L2 section (all heads at once); ffa_bwd_grid, the backward's CTAs
-# in the grid's order (k blocks in order, head after head) instead of longest first.
+# in the grid's order (k blocks in order, head after head) instead of longest first; ffa_bwd_even, the
+# backward's two consumer warpgroups starting together instead of half a step apart.
 FFA_KERNELS = {
     "ffa_mma": {"MAGI_JAX_FFA_KERNEL": "mma"},
     "ffa_grid": {"MAGI_JAX_SM90_SCHED": "grid"},
     "ffa_natural": {"MAGI_JAX_SM90_SCHED": "natural"},
     "ffa_l2all": {"MAGI_JAX_SM90_L2_BYTES": str(1 << 50)},
     "ffa_bwd_grid": {"MAGI_JAX_SM90_BWD_ORDER": "grid"},
+    "ffa_bwd_even": {"MAGI_JAX_SM90_BWD_STAGGER": "0"},
 }
 KERNEL_ENVS = sorted({name for env in FFA_KERNELS.values() for name in env})
 
@@ -253,8 +255,8 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
     return {(r["case"], r["impl"], r.get("mode")): r for r in results if "tflops" in r}
 
 
-COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_det", "cudnn",
-           "tokamax", "xla_dense")
+COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
+           "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:
@@ -362,7 +364,8 @@ def main() -> None:
                         help="implementations; ffa_det adds FFA with deterministic=True, ffa_mma is FFA with the "
                              "mma.sync kernels, ffa_grid the sm90 forward without its persistent scheduler, "
                              "ffa_natural without the longest-first order, ffa_l2all without L2 sections, "
-                             "ffa_bwd_grid the backward's CTAs in grid order")
+                             "ffa_bwd_grid the backward's CTAs in grid order, ffa_bwd_even its consumer "
+                             "warpgroups starting together")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     args = parser.parse_args()
     device = jax.devices()[0]

@@ -12,11 +12,12 @@
 //                   P^T = exp2(S^T scale - lse), dS^T = P^T (dP^T - delta) (exact mask per cell unless the
 //                   tile is interior for the warpgroup's 64 keys),
 //                   dV += P^T dO, dK += dS^T Q (RS: P^T / dS^T packed in registers; dO, Q MN-major),
-//                   kDq: dS^T -> smem (swizzled, double-buffered), named barrier of both consumers,
+//                   kDq: dS^T -> smem (swizzled, three buffers), named-barrier handshake with the other
+//                   consumer (dQ(i) is issued a step late, beside dK / dV(i + 1): see the consumer loop),
 //                   dQ = dS K (SS, A = dS^T MN-major, B = K MN-major), scaled dQ -> the warpgroup's fp32
 //                   staging buffer, one TMA reduce-add (cp.reduce.async.bulk.tensor .add) of the 64 x 64
 //                   box into the accumulator. The steps are software-pipelined (see the consumer loop):
-//                   S^T(i+1) is issued behind dQ(i), P^T(i) is computed while dP^T(i) runs, and the Q / dO
+//                   S^T(i+1) is issued behind dQ(i-1), P^T(i) is computed while dP^T(i) runs, and the Q / dO
 //                   stage is released once dV / dK have landed.
 // A consumer thread holds keys 16 v + g and 16 v + g + 8 of its warpgroup's 64 (v the warp in the
 // warpgroup), columns (rows of q) 8 i + 2 t (+1): the mma.sync C layout, so mask.h's MaskRows applies with
@@ -27,7 +28,8 @@
 // the threads store their fragment into the warpgroup's buffer (conflict-free, StoreDq), fence.proxy.async,
 // a warpgroup barrier, and one thread issues the box (rows past Tq skipped by TMA, as the atomics skipped
 // them). The buffer is rewritten one step later, after the issuing thread's cp.async.bulk.wait_group.read,
-// which the following consumer barrier 1 orders before every thread's stores: no extra barrier.
+// which the following handshake sync (all of the warpgroup's threads) orders before every thread's stores:
+// no extra barrier.
 // Epilogue: dK (scaled) and dV packed into the (now idle) Q / dO rings in the 128-byte swizzle, one TMA store
 // per 64-column chunk and warpgroup (keys past the end clipped by TMA).
 #pragma once
@@ -48,6 +50,9 @@ struct BwdSm90Params {
   CUtensorMap k_map, v_map;     // [Tk, Hkv, D], boxes (64, 1, kBlockN)
   CUtensorMap dk_map, dv_map;   // [Tk, Hkv, D], boxes (64, 1, kKeysPerWarpgroup)
   CUtensorMap dq_map;           // dq_accum [Tq, Hq, D] fp32 as (32, D / 32, Hq, Tq), boxes (32, kDqBoxCols / 32, 1, kBlockM)
+  // Warpgroup 1 starts its walk once warpgroup 0 has computed its first P^T, dS^T (MAGI_JAX_SM90_BWD_STAGGER,
+  // default 1): half a step apart, one warpgroup's softmax runs under the other's GEMMs.
+  int stagger;
   // A second key source (the fetched rows of a distributed backward): keys [split_row, Tk) are rows
   // [0, Tk - split_row) of k2, v2 and their gradients go to dk2, dv2. split_row is a multiple of kBlockN
   // (a CTA's keys come from one source); INT_MAX without a second source.
@@ -135,13 +140,13 @@ struct BwdSm90Step {
 };
 constexpr int32_t kStepEnd = 4;  // no step: the walk is over (a row_full phase without data)
 
-// Barrier region layout (Tile::kBarBytes): the mbarriers, then the steps, then per consumer warpgroup the
-// (q head, first row) of its dQ box in flight, then the CTA's (k block, kv head).
+// Barrier region layout (Tile::kBarBytes): the mbarriers, then the steps, then per consumer warpgroup and
+// step parity the (q head, first row) of a dQ box, then the CTA's (k block, kv head).
 template <int kStages>
 struct BwdSm90Region {
   static constexpr uint32_t kStepOffset = 64;
   static constexpr uint32_t kDqCoordOffset = kStepOffset + kStages * sizeof(BwdSm90Step);
-  static constexpr uint32_t kTileOffset = kDqCoordOffset + 2 * 8;
+  static constexpr uint32_t kTileOffset = kDqCoordOffset + 4 * 8;
   static constexpr uint32_t kBytes = kTileOffset + 8;
   static_assert(sizeof(BwdSm90Barriers<kStages>) <= kStepOffset, "mbarriers fit before the steps");
 };
@@ -562,10 +567,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   const uint64_t desc_k_dq = SmemDesc128B(sk + (D == 128 ? cw * (BN * 128) : cw * (WK * 128)), BN * 128);
   const int dq_col0 = D == 128 ? cw * 64 : 0;
   unsigned char* dq_buf = sdq + cw * Tile::kDqBytes;
-  // The (q head, first row) of the warpgroup's dQ box in flight, stashed by the issuing thread (wtid 0) when
-  // the dQ GEMM is issued and read back by it at the drain, after the step's stage (and its BwdSm90Step) has
-  // been released.
-  const uint32_t dq_coord = SmemAddr(smem + Tile::kBarOffset + Region::kDqCoordOffset) + 8 * cw;
+  // The (q head, first row) of the warpgroup's dQ boxes, one per step parity: stashed by the issuing thread
+  // (wtid 0) while the step's stage is held and read back by it at the drain, after the stage (and its
+  // BwdSm90Step) has been released.
+  const uint32_t dq_coord = SmemAddr(smem + Tile::kBarOffset + Region::kDqCoordOffset) + 16 * cw;
 
   float dk[DT][4], dv[DT][4];
 #pragma unroll
@@ -575,11 +580,21 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
 
   // Software pipeline, per warpgroup (commit groups in issue order; each wgmma.wait_group depth counts them).
   // Step i, kDq:
-  //   finish(i-1): dV, dK(i-1) | dS^T -> smem, barrier 1 | dQ(i-1) | wait<1>: dV, dK(i-1) have landed ->
-  //                release the Q / dO stage of i-1 (its last readers), dQ(i-1) still runs
-  //   row_full(i) wait | S^T(i), queued behind dQ(i-1) | wait<0> | drain dQ(i-1) (staging store, TMA
+  //   finish(i-1): dV, dK(i-1) | the other warpgroup's dS^T(i-2) is in place (sync) | dS^T(i-1) -> smem
+  //                (arrive) | dQ(i-2) | wait<1>: dV, dK(i-1) have landed -> release the Q / dO stage of i-1
+  //                (its last readers), dQ(i-2) still runs
+  //   row_full(i) wait | S^T(i), queued behind dQ(i-2) | wait<0> | drain dQ(i-2) (staging store, TMA
   //   reduce-add) | dP^T(i) | wait<1>: S^T(i) has landed, P^T = exp2(..) while dP^T(i) runs (not with
   //   softcap: dS^T needs the capped score too) | wait<0> | dS^T, pack P^T, dS^T -> finish(i)
+  // dQ(i) = dS(i) K reads both warpgroups' dS^T(i) (D 128: the 128 keys; D 64: its own 64), yet issued a step
+  // late it waits for the other warpgroup's only then: the warpgroups need not run in step, and warpgroup 1
+  // starts half a step behind (p.stagger) so that one's softmax runs under the other's GEMMs (in step, both
+  // waited on the same wgmmas and left the tensor cores idle together). The handshake: a warpgroup arrives
+  // on its barrier kDsReady + 2 w + (i & 1) once dS^T(i) is in place, the other syncs on it before dQ(i); by
+  // step parity, since a warpgroup may arrive for i + 1 before the other has synced for i (never for i + 2:
+  // its sync for i + 1 comes first). Three dS^T buffers: when a warpgroup writes dS^T(i) into buffer i % 3,
+  // its sync has seen the other's dS^T(i-1), written after that one's drain of dQ(i-3), the buffer's last
+  // reader.
   // kDq false: finish retires dV, dK with a wait<0> and releases the stage (kept in flight instead, the P^T /
   // dS^T fragments held across the row_full wait and S^T took the D 128 kernels into 24-byte spills).
   // Nothing is in flight across the loop's back edge (after the wait<0> of dP^T). The drain waits with wait<0>
@@ -594,14 +609,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     for (int e = 0; e < 4; ++e) dq[di][e] = 0.0f;
   uint32_t pa[4][4], dsa[4][4];  // P^T, dS^T of the step begun, as A fragments
 
-  // The landed dQ of the previous step -> the warpgroup's staging buffer -> one TMA reduce-add.
-  auto drain_dq = [&]() {
+  // The landed dQ(i) -> the warpgroup's staging buffer -> one TMA reduce-add.
+  auto drain_dq = [&](int i) {
     StoreDq(DqStoreBase(dq_buf, wwarp), dq, bp.scale);
     FenceProxyAsyncShared();
     NamedBarrierSync(3 + cw, 128);  // the warpgroup's dQ is in dq_buf (barrier 3 + cw: this warpgroup's)
     if (wtid == 0) {
       uint32_t h, rb;
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h), "=r"(rb) : "r"(dq_coord) : "memory");
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(h), "=r"(rb) : "r"(dq_coord + 8 * (i & 1)) : "memory");
       // The map address and the box's x / y are loop-invariant; offset by an opaque 0 they are computed here
       // (a few instructions on one thread) rather than hoisted into uniform registers for the whole loop:
       // hoisted, they took the D 128 consumers to UR61 of 63 and into 80-byte spills (even y alone, as
@@ -614,7 +629,6 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   };
 
   PipeState<kStages> ps;
-  int buf = 0;
 
   // The step of the current stage: (first row, flags), flags broadcast from lane 0 (a value read from shared
   // memory is not known to be warp-uniform: branching on it would make the wgmmas "divergent").
@@ -635,13 +649,18 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     WgmmaFence();
     IssueKMajorSS<T, 64, D, BN, BM>(s[0], da, db);
   };
-  // The previous step's tail has landed (the caller's wait): drain it.
-  auto drain_tail = [&]() {
-    if constexpr (kDq) {
-      FenceRegs(dq);
-      drain_dq();
-    }
+  // dQ(i) = dS(i) K (commit group dQ), A = dS^T buffer `ds` (i % 3).
+  auto issue_dq = [&](int ds) {
+    const uint64_t da = DescAdd(desc_ds, uint32_t(ds) * Tile::kDsBytes);
+    WgmmaFence();
+    Wgmma<T, 64>::template SSZero<1, 1>(dq, da, desc_k_dq);
+#pragma unroll
+    for (int kk = 1; kk < kDqSteps; ++kk)
+      Wgmma<T, 64>::template SS<1, 1>(dq, DescAdd(da, kk * 2048), DescAdd(desc_k_dq, kk * 2048), 1);
+    WgmmaCommit();
   };
+  constexpr int kDsReady = 6;       // named barriers 6..9: (warpgroup, step parity)
+  constexpr int kStaggerStart = 10;  // warpgroup 1 waits for warpgroup 0's first softmax
 
   // The rest of begin(i), after S^T(i) and the drain (see above).
   auto begin_rest = [&](int rb) {
@@ -671,7 +690,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   };
 
   // finish(i) (see above).
-  auto finish = [&]() {
+  auto finish = [&](int i) {
     const uint32_t stage_off = ps.stage * Tile::kRowBytes;
     // dV += P^T dO, dK += dS^T Q (commit group dKV).
     {
@@ -688,41 +707,36 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       WgmmaCommit();
     }
     if constexpr (kDq) {
-      // dS^T rows (keys) of this thread into the swizzled [BN][BM] buffer, while dK / dV run.
+      // The last drain's reduce-add has read dq_buf (only the issuing thread has bulk groups, the others pass;
+      // uniform, no lane-dependent branch before the wgmmas); the sync below, of all the warpgroup's threads,
+      // orders it before the next drain's stores.
+      BulkWaitRead();
+      NamedBarrierSync(kDsReady + 2 * (cw ^ 1) + ((i + 1) & 1), Tile::kConsumerThreads);  // dS^T(i-1): in place
+      // dS^T rows (keys) of this thread into buffer i % 3, swizzled [BN][BM], while dK / dV run.
       // As four 8x8 matrices per 16 columns (StMatrixX4, the A fragments' order): lane l addresses key
       // 16 wwarp + 8 ((l / 8) & 1) + l % 8 of the warpgroup's, columns + 8 (l / 16).
-      const uint32_t ds_buf = SmemAddr(sds + buf * Tile::kDsBytes);
+      const int ds = i % Tile::kDsBuffers;
+      const uint32_t ds_buf = SmemAddr(sds + ds * Tile::kDsBytes);
       const int kr = cw * WK + wwarp * 16 + (lane & 15), dc = (lane >> 4) * 8;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
         StMatrixX4(ds_buf + Swizzle128B(kr, kk * 16 + dc), dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       FenceProxyAsyncShared();
-      // The last drain's reduce-add has read dq_buf (only the issuing thread has bulk groups, the others pass;
-      // uniform, no lane-dependent branch before the wgmmas); barrier 1 orders it before the next drain's
-      // stores.
-      BulkWaitRead();
-      NamedBarrierSync(1, Tile::kConsumerThreads);  // both warpgroups' dS^T are in ds_buf
-      // Stash the box's (q head, first row) for the drain: predicated in one asm statement, no branch (see
-      // the loop's note on C7514).
+      NamedBarrierArrive(kDsReady + 2 * cw + (i & 1), Tile::kConsumerThreads);
+      // Stash the box's (q head, first row) of step i for its drain: predicated in one asm statement, no
+      // branch (see the loop's note on C7514).
       asm volatile(
           "{\n.reg .pred p;\n.reg .b32 r, h;\nsetp.eq.b32 p, %2, 0;\nld.shared.v2.u32 {r, h}, [%1];\n"
-          "@p st.shared.v2.u32 [%0], {h, r};\n}\n" ::"r"(dq_coord),
+          "@p st.shared.v2.u32 [%0], {h, r};\n}\n" ::"r"(dq_coord + 8 * (i & 1)),
           "r"(SmemAddr(&steps[ps.stage].rb)), "r"(wtid)
           : "memory");
-      // dQ = dS K (commit group dQ): the tail, left in flight.
-      const uint64_t da = DescAdd(desc_ds, buf * Tile::kDsBytes);
-      WgmmaFence();
-      Wgmma<T, 64>::template SSZero<1, 1>(dq, da, desc_k_dq);
-#pragma unroll
-      for (int kk = 1; kk < kDqSteps; ++kk)
-        Wgmma<T, 64>::template SS<1, 1>(dq, DescAdd(da, kk * 2048), DescAdd(desc_k_dq, kk * 2048), 1);
-      WgmmaCommit();
+      // dQ(i-1), the tail, left in flight (i = 0: on whatever buffer 2 holds, never drained).
+      issue_dq(ds == 0 ? Tile::kDsBuffers - 1 : ds - 1);
       // Pending: dKV, dQ. wait<1>: dV / dK have landed (the Q / dO stage and the A fragments are free).
       WgmmaWait<1>();
       FenceRegs(dv);
       FenceRegs(dk);
       MbarArriveIf(&bars.row_empty[ps.stage], wtid == 0);
-      buf ^= 1;
     } else {
       // No dQ: dV / dK are retired here (kept in flight into the next step, the P^T / dS^T fragments held
       // across the row_full wait and S^T took the D 128 kernels into 24-byte spills).
@@ -738,10 +752,17 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   MbarWait(&bars.row_full[ps.stage], ps.phase);
   read_step(&rb, &flags);
   if (!(flags & kStepEnd)) {
+    if constexpr (kDq) {
+      // "dS^T(-1) is in place": the first finish's sync takes this arrival.
+      NamedBarrierArrive(kDsReady + 2 * cw + 1, Tile::kConsumerThreads);
+      if (p.stagger && cw == 1) NamedBarrierSync(kStaggerStart, Tile::kConsumerThreads);
+    }
     issue_s();
     begin_rest(rb);
-    for (;;) {
-      finish();
+    if constexpr (kDq)
+      if (p.stagger && cw == 0) NamedBarrierArrive(kStaggerStart, Tile::kConsumerThreads);
+    for (int i = 0;; ++i) {
+      finish(i);
       ps.Advance();
       MbarWait(&bars.row_full[ps.stage], ps.phase);
       read_step(&rb, &flags);
@@ -751,11 +772,23 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       issue_s();
       // Pending: tail, S^T. wait<0>, not wait<1>: reading dQ after a wait<1> here made ptxas serialise every
       // wgmma (C7514), whatever the branches around it (NOTES: next lever). S^T(i+1) runs on the tensor cores
-      // right behind dQ(i); the drain follows it.
+      // right behind dQ(i-1); the drain follows it.
       WgmmaWait<0>();
-      drain_tail();
+      if constexpr (kDq) {
+        FenceRegs(dq);
+        if (i > 0) drain_dq(i - 1);
+      }
       if (flags & kStepEnd) {
-        WgmmaWait<0>();
+        if constexpr (kDq) {
+          // dQ of the last step: the other warpgroup's dS^T(i) in place, the last reduce-add has read dq_buf
+          // (the sync orders the issuing thread's wait before the drain's stores).
+          BulkWaitRead();
+          NamedBarrierSync(kDsReady + 2 * (cw ^ 1) + (i & 1), Tile::kConsumerThreads);
+          issue_dq(i % Tile::kDsBuffers);
+          WgmmaWait<0>();
+          FenceRegs(dq);
+          drain_dq(i);
+        }
         break;
       }
       begin_rest(rb);

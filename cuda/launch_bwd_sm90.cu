@@ -56,6 +56,12 @@ bool GridOrderFromEnv() {
   return env != nullptr && std::strcmp(env, "grid") == 0;
 }
 
+// MAGI_JAX_SM90_BWD_STAGGER=0: both consumer warpgroups start their walk together (BwdSm90Params::stagger).
+int StaggerFromEnv() {
+  const char* env = std::getenv("MAGI_JAX_SM90_BWD_STAGGER");
+  return env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1;
+}
+
 // The order's scratch, in int32: [stats: 2 x uint64][work: num_kb][order: num_kb][tiles: num_kb x hkv].
 int64_t OrderInts(int64_t num_kb, int64_t hkv) { return 4 + 2 * num_kb + num_kb * hkv; }
 
@@ -154,6 +160,7 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
     return cudaErrorNotSupported;
   sp.base = p;
   sp.num_kb = num_blocks;
+  sp.stagger = StaggerFromEnv();
   auto kernel = reduce_dq ? FlashBwdSm90Kernel<T, D, true> : FlashBwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

@@ -128,22 +128,25 @@ struct BwdSm90Tile {
 
   static constexpr uint32_t kKvBytes = kBlockN * D * 2;   // K or V, [kChunks][kBlockN][64]
   static constexpr uint32_t kRowBytes = kBlockM * D * 2;  // one Q or dO stage, [kChunks][kBlockM][64]
-  // dS^T [kBlockN keys][kBlockM rows], swizzled; two of them (double-buffered; kSplitD: P^T, then dS^T)
+  // dS^T [kBlockN keys][kBlockM rows], swizzled. Three (kSplitD: two, P^T then dS^T): a warpgroup's dQ(i)
+  // is issued one step late, beside dK / dV(i + 1), and reads both warpgroups' dS^T(i) while the faster one
+  // may be writing dS^T(i + 1) (flash_bwd_sm90_kernel.h, the consumer loop).
   static constexpr uint32_t kDsBytes = kBlockN * kBlockM * 2;
+  static constexpr int kDsBuffers = kSplitD ? 2 : 3;
   static constexpr uint32_t kKOffset = 0;
   static constexpr uint32_t kVOffset = kKOffset + kKvBytes;
   static constexpr uint32_t kQOffset = kVOffset + kKvBytes;
   static constexpr uint32_t kDoOffset = kQOffset + kStages * kRowBytes;
   static constexpr uint32_t kLseOffset = kDoOffset + kStages * kRowBytes;  // float [kStages][kBlockM] lse (log2)
   static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
-  static constexpr uint32_t kDsOffset = kLseOffset + 1024;  // [2] dS^T buffers (double-buffered)
+  static constexpr uint32_t kDsOffset = kLseOffset + 1024;  // [kDsBuffers] dS^T buffers
   // dQ staging, one per consumer warpgroup: its 64 rows x 64 columns of fp32 dQ as the box of the dq_accum
   // tensor map (32 columns, 2 column chunks, 1 head, 64 rows: 128-byte lines ordered (row, chunk)) in the
   // 128-byte swizzle, read by the TMA reduce-add.
   // kSplitD: 64 rows x 32 columns (the box (32, 1, 1, 64)), the warpgroup's 128 columns in four boxes.
   static constexpr int kDqBoxCols = kSplitD ? 32 : 64;
   static constexpr uint32_t kDqBytes = kBlockM * kDqBoxCols * 4;
-  static constexpr uint32_t kDqOffset = kDsOffset + 2 * kDsBytes;
+  static constexpr uint32_t kDqOffset = kDsOffset + kDsBuffers * kDsBytes;
   static constexpr uint32_t kBarOffset = kDqOffset + kConsumerWarpgroups * kDqBytes;
   static constexpr uint32_t kBarBytes = 256;
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);

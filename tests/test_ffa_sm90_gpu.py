@@ -134,9 +134,11 @@ def test_l2_sections_give_the_same_bits(hq, hkv, monkeypatch):
 
 # The backward's tile orders (cuda/launch_bwd_sm90.cu): longest first with the default L2 sections, one kv
 # head per section (L2_BYTES=1, the last section wider), one section of all heads (L2_BYTES huge), and the
-# grid's own order (MAGI_JAX_SM90_BWD_ORDER=grid).
+# grid's own order (MAGI_JAX_SM90_BWD_ORDER=grid); and the consumer warpgroups starting their walks together
+# rather than half a step apart (MAGI_JAX_SM90_BWD_STAGGER=0: the same work, other timing).
 BWD_ORDERS = {"default": {}, "sections_of_one": {"MAGI_JAX_SM90_L2_BYTES": "1"},
-              "one_section": {"MAGI_JAX_SM90_L2_BYTES": str(1 << 50)}, "grid": {"MAGI_JAX_SM90_BWD_ORDER": "grid"}}
+              "one_section": {"MAGI_JAX_SM90_L2_BYTES": str(1 << 50)}, "grid": {"MAGI_JAX_SM90_BWD_ORDER": "grid"},
+              "even_start": {"MAGI_JAX_SM90_BWD_STAGGER": "0"}}
 
 
 @pytest.mark.parametrize("order", sorted(BWD_ORDERS))
@@ -165,7 +167,7 @@ def test_backward_tile_orders_give_the_same_dk_dv(hq, hkv, monkeypatch):
     with monkeypatch.context() as m:
         m.setenv("MAGI_JAX_SM90_BWD_ORDER", "grid")
         want = grads()
-    for order in ("default", "sections_of_one", "one_section"):
+    for order in ("default", "sections_of_one", "one_section", "even_start"):
         with monkeypatch.context() as m:
             for name, value in BWD_ORDERS[order].items():
                 m.setenv(name, value)
