@@ -51,7 +51,8 @@ struct BwdSm90Params {
   CUtensorMap dk_map, dv_map;   // [Tk, Hkv, D], boxes (64, 1, kKeysPerWarpgroup)
   CUtensorMap dq_map;           // dq_accum [Tq, Hq, D] fp32 as (32, D / 32, Hq, Tq), boxes (32, kDqBoxCols / 32, 1, kBlockM)
   // Warpgroup 1 starts its walk once warpgroup 0 has computed its first P^T, dS^T (MAGI_JAX_SM90_BWD_STAGGER,
-  // default 1): half a step apart, one warpgroup's softmax runs under the other's GEMMs.
+  // default 1): half a step apart, one warpgroup's softmax runs under the other's GEMMs. Only with dQ (kDq):
+  // without it the warpgroups never wait for each other within the walk.
   int stagger;
   // A second key source (the fetched rows of a distributed backward): keys [split_row, Tk) are rows
   // [0, Tk - split_row) of k2, v2 and their gradients go to dk2, dv2. split_row is a multiple of kBlockN

@@ -3,6 +3,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "params.h"
 
 namespace magi_jax::cuda {
@@ -13,6 +16,13 @@ inline cudaError_t CurrentDeviceSms(int* sms) {
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
+// Whether environment variable `name` is set to `value`: the launchers' measuring switches, read at every
+// call so that one process can time both settings side by side (bench/kernel.py).
+inline bool EnvEquals(const char* name, const char* value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, value) == 0;
 }
 
 template <typename T, int D>

@@ -13,8 +13,6 @@
 // (bench/kernel.py ffa_bwd_grid).
 #include <algorithm>
 #include <climits>
-#include <cstdlib>
-#include <cstring>
 
 #include "flash_bwd_sm90_kernel.h"
 #include "launch.h"
@@ -51,17 +49,6 @@ __global__ void __launch_bounds__(kTileThreads) BwdTilesKernel(const int32_t* or
   tiles[t] = kb + num_kb * hk;
 }
 
-bool GridOrderFromEnv() {
-  const char* env = std::getenv("MAGI_JAX_SM90_BWD_ORDER");
-  return env != nullptr && std::strcmp(env, "grid") == 0;
-}
-
-// MAGI_JAX_SM90_BWD_STAGGER=0: both consumer warpgroups start their walk together (BwdSm90Params::stagger).
-int StaggerFromEnv() {
-  const char* env = std::getenv("MAGI_JAX_SM90_BWD_STAGGER");
-  return env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1;
-}
-
 // The order's scratch, in int32: [stats: 2 x uint64][work: num_kb][order: num_kb][tiles: num_kb x hkv].
 int64_t OrderInts(int64_t num_kb, int64_t hkv) { return 4 + 2 * num_kb + num_kb * hkv; }
 
@@ -71,7 +58,7 @@ template <int BN, int BM>
 cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes, int32_t* scratch,
                            cudaStream_t stream, const int32_t** tiles_out) {
   *tiles_out = nullptr;
-  if (scratch == nullptr || GridOrderFromEnv() || int64_t(num_kb) * p.hkv >= INT_MAX) return cudaSuccess;
+  if (scratch == nullptr || EnvEquals("MAGI_JAX_SM90_BWD_ORDER", "grid") || int64_t(num_kb) * p.hkv >= INT_MAX) return cudaSuccess;
   int device = 0, sms = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
@@ -160,7 +147,8 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
     return cudaErrorNotSupported;
   sp.base = p;
   sp.num_kb = num_blocks;
-  sp.stagger = StaggerFromEnv();
+  // MAGI_JAX_SM90_BWD_STAGGER=0: both consumer warpgroups start their walk together.
+  sp.stagger = EnvEquals("MAGI_JAX_SM90_BWD_STAGGER", "0") ? 0 : 1;
   auto kernel = reduce_dq ? FlashBwdSm90Kernel<T, D, true> : FlashBwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

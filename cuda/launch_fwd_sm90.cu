@@ -6,8 +6,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "flash_fwd_sm90_kernel.h"
@@ -43,10 +41,8 @@ __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args,
 // tile, last-first: not persistent).
 enum class Sched { kLpt, kNatural, kGrid };
 Sched SchedFromEnv() {
-  const char* env = std::getenv("MAGI_JAX_SM90_SCHED");
-  if (env == nullptr) return Sched::kLpt;
-  if (std::strcmp(env, "natural") == 0) return Sched::kNatural;
-  if (std::strcmp(env, "grid") == 0) return Sched::kGrid;
+  if (EnvEquals("MAGI_JAX_SM90_SCHED", "natural")) return Sched::kNatural;
+  if (EnvEquals("MAGI_JAX_SM90_SCHED", "grid")) return Sched::kGrid;
   return Sched::kLpt;
 }
 

@@ -129,8 +129,8 @@ struct BwdSm90Tile {
   static constexpr uint32_t kKvBytes = kBlockN * D * 2;   // K or V, [kChunks][kBlockN][64]
   static constexpr uint32_t kRowBytes = kBlockM * D * 2;  // one Q or dO stage, [kChunks][kBlockM][64]
   // dS^T [kBlockN keys][kBlockM rows], swizzled. Three (kSplitD: two, P^T then dS^T): a warpgroup's dQ(i)
-  // is issued one step late, beside dK / dV(i + 1), and reads both warpgroups' dS^T(i) while the faster one
-  // may be writing dS^T(i + 1) (flash_bwd_sm90_kernel.h, the consumer loop).
+  // is issued one step late, beside dK / dV(i + 1), and the other warpgroup may still read dS^T(i) when
+  // this one writes dS^T(i + 2) (flash_bwd_sm90_kernel.h, the consumer loop).
   static constexpr uint32_t kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDsBuffers = kSplitD ? 2 : 3;
   static constexpr uint32_t kKOffset = 0;
