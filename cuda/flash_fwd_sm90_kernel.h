@@ -37,6 +37,12 @@ namespace magi_jax::cuda {
 
 // Online softmax over the two rows a consumer thread holds, with the rescale of O split from the update so
 // that it can wait for the PV wgmma in flight.
+// A row whose max grows by at most kRescaleSlack (log2 units) keeps its old max: its probabilities may then
+// reach 2^kRescaleSlack, harmless in fp32 and as bf16 / fp16 P (their relative precision does not depend on
+// the magnitude, and 2^8 is far from fp16's limit), and O and the row sum need no rescale (alpha 1). Once a
+// row's max has settled, a few steps into a walk, O is no longer rescaled at all (NeedsRescale).
+constexpr float kRescaleSlack = 8.0f;
+
 struct Sm90RowSoftmax {
   float m[2], l[2];
 
@@ -74,9 +80,14 @@ struct Sm90RowSoftmax {
         mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], lane_mask));
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float base = mx[half] == -INFINITY ? 0.0f : mx[half] * scale_log2;
-      alpha[half] = Exp2(m[half] * scale_log2 - base);
-      m[half] = mx[half];
+      // False for a row's first keys (m -inf: the difference is +inf, or NaN for a row still without keys).
+      const bool keep = (mx[half] - m[half]) * scale_log2 <= kRescaleSlack;
+      const float mn = keep ? m[half] : mx[half];
+      const float base = mn == -INFINITY ? 0.0f : mn * scale_log2;
+      // 1 while O and the row sum are still zero (m -inf): not 2^(-inf * scale_log2 - base), which is 0, or
+      // NaN for a zero scale.
+      alpha[half] = keep || m[half] == -INFINITY ? 1.0f : Exp2(m[half] * scale_log2 - base);
+      m[half] = mn;
       float sum = 0.0f;
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
@@ -88,6 +99,12 @@ struct Sm90RowSoftmax {
         }
       l[half] = l[half] * alpha[half] + sum;
     }
+  }
+
+  // Whether any row of the warp takes a factor other than 1 (warp-uniform: the caller branches on it with no
+  // wgmma in flight).
+  MAGI_DEV static bool NeedsRescale(const float (&alpha)[2]) {
+    return __any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f);
   }
 
   template <int DT>
@@ -395,15 +412,15 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the first S and the last PV
     // of a tile are a batch each. Same count in both warpgroups.
     //
-    // Step j (FA3's intra-warpgroup overlap, its order): wait K(j), V(j-1); take the turn; issue S(j);
-    // O *= alpha(j-1) while S(j) runs; issue O += P(j-1) V(j-1); hand the turn over; wait for S(j) (PV(j-1)
-    // may still run); release K(j); softmax of S(j) -> P(j), alpha(j); next step (a branch); wait for
-    // PV(j-1); release V(j-1); pack P(j).
+    // Step j (FA3's intra-warpgroup overlap, its order): wait K(j), V(j-1); take the turn; issue S(j) and
+    // O += P(j-1) V(j-1); hand the turn over; wait for S(j) (PV(j-1) may still run); release K(j); softmax of
+    // S(j) -> P(j), alpha(j); next step (a branch); wait for PV(j-1); release V(j-1); O *= alpha(j) where
+    // some row's max grew by more than kRescaleSlack (rare once the maxima have settled); pack P(j).
     // The wait for PV(j-1) must stay after the softmax: in one basic block with it, ptxas hoisted that
     // WARPGROUP.DEPBAR above the whole softmax (its successors, the O rescale and the P packs into the
     // registers PV(j-1) reads, made it the critical path), so the softmax never overlapped PV within the
-    // warpgroup. The O rescale moved into the turn, between the two GEMM batches (FA3), where it runs
-    // under S(j) instead of delaying the next issue.
+    // warpgroup. FA3 rescales O in the turn, between the two GEMM batches, under S(j); here it is mostly
+    // skipped, and the turn holds only the two issues.
     if constexpr (Tile::kIntraWgOverlap) {
       if (st.cur >= 0) {
         start_slice();
@@ -414,10 +431,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         WgmmaWait<0>();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
-        softmax_s(alpha);
-        // O is still zero, and the next step rescales it by alpha before the first PV: 1, not this step's
-        // 2^(-inf * scale_log2 - base) (0, but NaN for a zero scale).
-        alpha[0] = alpha[1] = 1.0f;
+        softmax_s(alpha);  // alpha 1: O is still zero
         PackP<T, NT>(s[0], pa);
         PipeState<kStages> prev = kv;
         kv.Advance();
@@ -427,8 +441,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           MbarWait(&bars.v_full[prev.stage], prev.phase);
           sched_sync();
           issue_s();
-          FenceRegs(o);  // the rescale below stays after the S issue (NVVM)
-          Sm90RowSoftmax::Rescale(o, alpha);
           issue_pv(prev);
           sched_arrive();
           WgmmaWait<1>();  // S(j) has landed
@@ -441,11 +453,13 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           WgmmaWait<0>();  // O += P(j-1) V(j-1) has landed
           FenceRegs(o);
           release(&bars.v_empty[done.stage]);
+          // O takes alpha(j) before PV(j): here, with nothing in flight, where a branch costs nothing (rarely
+          // taken once the rows' maxima have settled).
+          if (Sm90RowSoftmax::NeedsRescale(alpha)) Sm90RowSoftmax::Rescale(o, alpha);
           PackP<T, NT>(s[0], pa);
         }
         // The last S wgmma has landed (kOInQ: the buffer is released after the epilogue's store instead).
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
-        Sm90RowSoftmax::Rescale(o, alpha);
         MbarWait(&bars.v_full[prev.stage], prev.phase);  // V before the turn, as K
         sched_sync();
         issue_pv(prev);
@@ -461,7 +475,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       // and then O += P(j) V(j), each waited for; the other warpgroup's GEMMs run under this one's softmax
       // (ping-pong). Only S or P is live next to O (128 + 40 registers).
       if (st.cur >= 0) start_slice();
-      bool first = true;
       while (st.cur >= 0) {
         MbarWait(&bars.k_full[kv.stage], kv.phase);
         sched_sync();
@@ -471,10 +484,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
         softmax_s(alpha);
-        // O is zero before the first PV: 1, not 2^(-inf * scale_log2 - base) (0, but NaN for a zero scale).
-        if (first) alpha[0] = alpha[1] = 1.0f;
-        first = false;
-        Sm90RowSoftmax::Rescale(o, alpha);
+        if (Sm90RowSoftmax::NeedsRescale(alpha)) Sm90RowSoftmax::Rescale(o, alpha);
         PackP<T, NT>(s[0], pa);
         MbarWait(&bars.v_full[kv.stage], kv.phase);
         sched_sync();

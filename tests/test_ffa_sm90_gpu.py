@@ -21,7 +21,7 @@ import pytest
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
-from tests.conftest import random_qkv
+from tests.conftest import check_against_reference, random_qkv
 from tests.test_ffa_gpu import _on_gpu, run_case  # noqa: F401  (the module's skip-without-GPU fixture)
 
 pytestmark = pytest.mark.gpu
@@ -81,6 +81,27 @@ def test_smoke_head_dim_256_backward():
     # A hang here: cuda/NOTES.md (D 256 backward) debugging hints (barriers 1 / 5, row_empty's 2 arrivals).
     mask = AttnMask([[0, 300], [100, 333]], [[0, 300], [250, 400]], [1, 0], 333, 400)
     run_case(mask, hq=4, hkv=2, d=256, seed=258)
+
+
+@pytest.mark.parametrize("mask_type", ["full", "causal", "inv_causal"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_forward_rows_whose_max_climbs_along_the_keys(mask_type, d):
+    # The forward keeps a row's max while it grows by at most kRescaleSlack (8, log2 units) and rescales O only
+    # when it grows by more (flash_fwd_sm90_kernel.h, Sm90RowSoftmax). Logits that climb along the keys, by
+    # 0, 3, 7 or 20 log2 units per 128 keys in a random order, take both paths at every row; the three types
+    # walk the keys against the climb, with it, and from the diagonal. Checked with the gradients too.
+    t, h = 2048, 2
+    rng = np.random.default_rng(d)
+    a, scale_log2 = 4.0, d ** -0.5 / np.log(2)  # q's first coordinate, the softmax scale in log2 units
+    rises = rng.choice([0.0, 3.0, 7.0, 20.0], size=t // 128)  # per 128 keys, linear within them
+    climb = np.concatenate([r0 + r * np.arange(128) / 128 for r0, r in zip(np.cumsum(rises) - rises, rises)])
+    q, k, v = (np.array(x, np.float32) for x in random_qkv(rng, t, t, h, h, d))
+    q[:, :, 0] = a
+    k[:, :, 0] = (climb / (a * scale_log2))[:, None]
+    q, k, v = (jnp.asarray(x).astype(jnp.bfloat16) for x in (q, k, v))
+    mask = AttnMask([[0, t]], [[0, t]], [mask_type], t, t)
+    fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask))
+    check_against_reference(fn, mask, q, k, v, rng)
 
 
 @pytest.mark.parametrize("sched", ["lpt", "natural", "grid"])
