@@ -43,6 +43,9 @@ def test_target_check_ratio_absolute_and_missing(kernel_bench):
     failed = kernel_bench.target_check([row("causal_4k_x8", "cudnn", "fwd", 500.0)], "ffa")
     assert failed.splitlines()[0] == "issue 4 targets for ffa: 0 of 2 met"
     assert "causal_4k_x8 fwd: not measured (MISSED)" in failed
+    # Against the best of two peers, both must have run.
+    one_peer = kernel_bench.target_check(results[:2], "ffa")
+    assert "causal_32k fwd: tokamax not measured (MISSED)" in one_peer
 
 
 def test_every_target_names_a_benchmarked_case(kernel_bench):
