@@ -310,19 +310,62 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   auto sched_arrive = [&]() {
     if constexpr (kPingPong && Tile::kPingPong) NamedBarrierArrive(kSchedBarrier + (cw ^ 1), Tile::kConsumerThreads);
   };
-  if (cw == 1) sched_arrive();  // warpgroup 0's first turn
-  while (true) {
+  // The next tile: waits for its record and its Q and returns its id (>= num_tiles: the end). Its record
+  // stays in its slot ((q_iter - 1) % 2) until the tile starts (the producer rewrites a slot only two tiles
+  // later).
+  auto next_tile = [&]() -> int {
     const int slot = int(q_iter & 1);
     const uint32_t slot_phase = (q_iter >> 1) & 1;
-    const int q_stage = Tile::kQStages == 2 ? slot : 0;
-    const uint32_t q_phase = Tile::kQStages == 2 ? slot_phase : q_iter & 1;
     MbarWait(&bars.tile_full[slot], slot_phase);
-    const FwdTileRecord& rec = bars.tile[slot];  // released (tile_empty) once its step has been read below
-    const int tile = __shfl_sync(0xffffffffu, rec.tile, 0);  // uniform, visibly
+    const int tile = __shfl_sync(0xffffffffu, bars.tile[slot].tile, 0);  // uniform, visibly
     if (tile >= p.num_tiles) {
       MbarArrive(&bars.tile_empty[slot]);
-      break;
+      return tile;
     }
+    MbarWait(&bars.q_full[Tile::kQStages == 2 ? slot : 0], Tile::kQStages == 2 ? slot_phase : q_iter & 1);
+    ++q_iter;
+    return tile;
+  };
+  // The descriptor of this warpgroup's 64 rows of the Q buffer of the tile taken last.
+  auto desc_q_of = [&]() -> uint32_t {
+    const int q_stage = Tile::kQStages == 2 ? int((q_iter - 1) & 1) : 0;
+    return uint32_t(SmemDesc128B(sq + q_stage * Tile::kQBytes + cw * (WM * 128), 16));
+  };
+  // S(j) = Q K(j)^T for the current stage, issued (not waited). The caller has waited for K (and for V
+  // when PV follows) before taking the turn (FA3's order): a warpgroup holding the turn should not sit on
+  // a TMA. Recomputed at each step (OpaqueZero): held across the loop, the 64-bit descriptors take 14
+  // registers.
+  float s[1][NT][4];
+  auto issue_s = [&](uint32_t desc_q) {
+    const uint32_t dk = desc_k + ((kv.stage * Tile::kKvBytes) >> 4);
+    const uint32_t dq = desc_q + OpaqueZero();
+    WgmmaFence();
+    Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc(dq), desc(dk));
+#pragma unroll
+    for (int kk = 1; kk < D / 16; ++kk) {
+      const uint32_t off_q = (kk / 4) * (BM * 128) + (kk % 4) * 32, off_k = (kk / 4) * (BN * 128) + (kk % 4) * 32;
+      Wgmma<T, BN>::template SS<0, 0>(s[0], desc(dq + (off_q >> 4)), desc(dk + (off_k >> 4)), 1);
+    }
+    WgmmaCommit();
+  };
+
+  if (cw == 1) sched_arrive();  // warpgroup 0's first turn
+  int tile = next_tile();
+  // With the intra-warpgroup overlap, a tile's first S is issued in the turn before the tile starts: the
+  // previous tile's last turn, beside its last PV (so that its epilogue runs under that S), or this one for
+  // the CTA's first tile. Where the next tile has no keys or there is none, that S multiplies whatever the
+  // buffers hold and is discarded: no branch between a commit and its wait (ptxas serialised every wgmma
+  // of the kernel across one, C7514, in the backward).
+  if constexpr (Tile::kIntraWgOverlap) {
+    if (tile < p.num_tiles && bars.tile[(q_iter - 1) & 1].cur >= 0) MbarWait(&bars.k_full[kv.stage], kv.phase);
+    sched_sync();
+    issue_s(desc_q_of());
+    sched_arrive();
+    WgmmaWait<0>();
+  }
+  while (tile < p.num_tiles) {
+    const int slot = int((q_iter - 1) & 1);
+    const int q_stage = Tile::kQStages == 2 ? slot : 0;
     // The q block and head from the record's qb * hq + h: ptxas recomputes them where used instead of
     // holding them across the mainloop (held as two fields, the D 64 consumers spilled).
     const int qb = tile / fp.hq, h = tile % fp.hq;
@@ -333,48 +376,21 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     float o[DT][4];
 #pragma unroll
     for (int di = 0; di < DT; ++di) o[di][0] = o[di][1] = o[di][2] = o[di][3] = 0.0f;
-    float s[1][NT][4];
     uint32_t pa[NT / 2][4];
     Sm90RowSoftmax softmax;
     int lo[2], hi[2];
     TileRange interior{1, 0};
 
-    MbarWait(&bars.q_full[q_stage], q_phase);
-    ++q_iter;
     // The first step from the record (shared memory); the walk serves the slices after it (its loads are
     // waited for only where the first slice ends).
-    FwdStep st = rec.Step();
+    FwdStep st = bars.tile[slot].Step();
     MbarArrive(&bars.tile_empty[slot]);  // after the record is read (the arrive releases the slot)
-    // A tile without keys in a merging call writes nothing: out and lse hold the earlier call's values in
-    // place (a distributed stage call has many such tiles: q blocks none of whose rows need fetched keys).
-    if (st.cur < 0 && fp.out_prev != nullptr) {
-      if (wtid == 0) MbarArrive(&bars.q_empty[q_stage]);
-      continue;
-    }
-    // The warpgroup's 64 rows of this tile's Q buffer.
-    const uint32_t desc_q_tile = uint32_t(SmemDesc128B(sq + q_stage * Tile::kQBytes + cw * (WM * 128), 16));
     const SliceWalk walk(args, fp.lists, qb);
     // Per slice: the two rows' key intervals and the key tiles needing no per-cell mask.
     auto start_slice = [&]() {
       RowInterval(st.s, row, &lo[0], &hi[0]);
       RowInterval(st.s, row + 8, &lo[1], &hi[1]);
       interior = InteriorKeyTiles(st.s, wr0, WM, BN);
-    };
-    // S(j) = Q K(j)^T for the current stage, issued (not waited). The caller has waited for K (and for V
-    // when PV follows) before taking the turn (FA3's order): a warpgroup holding the turn should not sit on
-    // a TMA.
-    auto issue_s = [&]() {
-      const uint32_t dk = desc_k + ((kv.stage * Tile::kKvBytes) >> 4);
-      // Recomputed at each step (OpaqueZero): held across the loop, the 64-bit descriptors take 14 registers.
-      const uint32_t dq = desc_q_tile + OpaqueZero();
-      WgmmaFence();
-      Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc(dq), desc(dk));
-#pragma unroll
-      for (int kk = 1; kk < D / 16; ++kk) {
-        const uint32_t off_q = (kk / 4) * (BM * 128) + (kk % 4) * 32, off_k = (kk / 4) * (BN * 128) + (kk % 4) * 32;
-        Wgmma<T, BN>::template SS<0, 0>(s[0], desc(dq + (off_q >> 4)), desc(dk + (off_k >> 4)), 1);
-      }
-      WgmmaCommit();
     };
     // O += P(j) V(j) from the stage `at`, issued (not waited; V waited for by the caller).
     auto issue_pv = [&](const PipeState<kStages>& at) {
@@ -409,8 +425,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       return true;
     };
 
-    // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the first S and the last PV
-    // of a tile are a batch each. Same count in both warpgroups.
+    // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the tile's last PV and the
+    // next tile's first S are one batch. Same count in both warpgroups.
     //
     // Step j (FA3's intra-warpgroup overlap, its order): wait K(j), V(j-1); take the turn; issue S(j) and
     // O += P(j-1) V(j-1); hand the turn over; wait for S(j) (PV(j-1) may still run); release K(j); softmax of
@@ -424,11 +440,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     if constexpr (Tile::kIntraWgOverlap) {
       if (st.cur >= 0) {
         start_slice();
-        MbarWait(&bars.k_full[kv.stage], kv.phase);
-        sched_sync();
-        issue_s();
-        sched_arrive();
-        WgmmaWait<0>();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
         softmax_s(alpha);  // alpha 1: O is still zero
@@ -440,7 +451,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           MbarWait(&bars.k_full[kv.stage], kv.phase);
           MbarWait(&bars.v_full[prev.stage], prev.phase);
           sched_sync();
-          issue_s();
+          issue_s(desc_q_of());
           issue_pv(prev);
           sched_arrive();
           WgmmaWait<1>();  // S(j) has landed
@@ -460,25 +471,42 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         }
         // The last S wgmma has landed (kOInQ: the buffer is released after the epilogue's store instead).
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
-        MbarWait(&bars.v_full[prev.stage], prev.phase);  // V before the turn, as K
+        tile = next_tile();
+        MbarWait(&bars.v_full[prev.stage], prev.phase);  // V and the next tile's K before the turn
+        if (tile < p.num_tiles && bars.tile[(q_iter - 1) & 1].cur >= 0) MbarWait(&bars.k_full[kv.stage], kv.phase);
         sched_sync();
         issue_pv(prev);
+        issue_s(desc_q_of());  // the next tile's first S: the epilogue below runs under it
         sched_arrive();
-        WgmmaWait<0>();
+        WgmmaWait<1>();  // the last PV has landed
         FenceRegs(o);
         release(&bars.v_empty[prev.stage]);
       } else {
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
+        tile = next_tile();
+        if (tile < p.num_tiles && bars.tile[(q_iter - 1) & 1].cur >= 0) MbarWait(&bars.k_full[kv.stage], kv.phase);
+        sched_sync();
+        issue_s(desc_q_of());
+        sched_arrive();
+        if (fp.out_prev != nullptr) {  // a merging call's tile without keys: nothing written (below)
+          WgmmaWait<0>();
+          continue;
+        }
       }
     } else {
       // Without the intra-warpgroup overlap (D 256, FA3's loop for that case): step j is two turns, S(j)
       // and then O += P(j) V(j), each waited for; the other warpgroup's GEMMs run under this one's softmax
       // (ping-pong). Only S or P is live next to O (128 + 40 registers).
+      if (st.cur < 0 && fp.out_prev != nullptr) {  // a merging call's tile without keys: nothing written
+        release(&bars.q_empty[q_stage]);
+        tile = next_tile();
+        continue;
+      }
       if (st.cur >= 0) start_slice();
       while (st.cur >= 0) {
         MbarWait(&bars.k_full[kv.stage], kv.phase);
         sched_sync();
-        issue_s();
+        issue_s(desc_q_of());
         sched_arrive();
         WgmmaWait<0>();
         release(&bars.k_empty[kv.stage]);
@@ -500,6 +528,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     }
 
     // -------------------------------------------------------------------------------------------- epilogue
+    // Not for a merging call's tiles without keys (passed over above): out and lse hold the earlier call's
+    // values in place (a distributed stage call has many such tiles: q blocks none of whose rows need
+    // fetched keys).
     float lse[2];
     softmax.Finish(o, scale_log2, lse);
     if (fp.out_prev != nullptr)
@@ -532,6 +563,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       if (row < tq) fp.lse[row * fp.hq + h] = lse[0];
       if (row + 8 < tq) fp.lse[(row + 8) * fp.hq + h] = lse[1];
     }
+    if constexpr (Tile::kIntraWgOverlap) WgmmaWait<0>();  // the next tile's first S (or the discarded one)
+    else tile = next_tile();
   }
   if (cw == 0) sched_sync();  // the turn warpgroup 1 handed over last
   if (wtid == 0) BulkWait();
