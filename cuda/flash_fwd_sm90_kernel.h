@@ -9,7 +9,9 @@
 //                   tile's mainloop.
 //   consumer wg:    S(j) = Q K(j)^T (SS wgmma) is issued, then O += P(j-1) V(j-1) (RS wgmma, P from
 //                   registers); the softmax of S(j) runs while the PV wgmma of step j-1 is in flight
-//                   (FA3's intra-warpgroup overlap); O is rescaled once that wgmma has landed.
+//                   (FA3's intra-warpgroup overlap); O is rescaled once that wgmma has landed. A tile's
+//                   last PV and the next tile's first S are issued together, so that the epilogue (O to
+//                   shared memory, the TMA store) runs under that S instead of between two turns.
 //   ping-pong:      the two consumer warpgroups take turns to issue their wgmmas (named barriers
 //                   kSchedBarrier + cw, FA3's scheduler barrier), so one warpgroup's softmax runs while
 //                   the other's GEMMs occupy the tensor cores, and their epilogues are staggered too.
