@@ -1,17 +1,18 @@
 #!/bin/bash
-# A/B of two source trees on one GPU machine: each is built in turn (pip install -e), optionally tested, and
+# A/B of source trees on one GPU machine: each is built in turn (pip install -e), optionally tested, and
 # benched with the same kernel cases; ffa and cuDNN side by side in each (ratios decide, not the raw times of
 # two builds). Trees are folders of the working tree that travel with the call (git archive snapshots, named
-# in the device call's carry).
+# in the device call's carry); the last argument is the cases.
 #   bash cuda/tools/ab_bench.sh .snap .snap_b "varlen_swa1024_32k causal_4k_x8"   # from the repo root
+#   bash cuda/tools/ab_bench.sh .snap_b .snap .snap_c "causal_32k"                 # three trees, in turn
 # Knobs: AB_TESTS (a pytest -k expression run on each tree, tests/test_ffa_sm90_gpu.py and
 # tests/test_ffa_gpu.py), AB_IMPLS (default "ffa cudnn"). Writes $OUT/ab_<tree>.md and $OUT/ab_<tree>_tests.log.
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
 ROOT=$(pwd)
-CASES=$3
-for tree in "$1" "$2"; do
+CASES=${!#}
+for tree in "${@:1:$#-1}"; do
   name=$(basename "$tree")
   cd "$ROOT/$tree" || exit 1
   python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/ab_${name}_build.log" 2>&1 || {
