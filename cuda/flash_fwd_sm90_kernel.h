@@ -328,6 +328,11 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     ++q_iter;
     return tile;
   };
+  // The first K of the tile taken last (next_tile), before the turn that issues its first S; none for a tile
+  // without keys or past the last one (the producer loads nothing for them).
+  auto wait_first_k = [&](int tile) {
+    if (tile < p.num_tiles && bars.tile[(q_iter - 1) & 1].cur >= 0) MbarWait(&bars.k_full[kv.stage], kv.phase);
+  };
   // The descriptor of this warpgroup's 64 rows of the Q buffer of the tile taken last.
   auto desc_q_of = [&]() -> uint32_t {
     const int q_stage = Tile::kQStages == 2 ? int((q_iter - 1) & 1) : 0;
@@ -359,7 +364,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   // buffers hold and is discarded: no branch between a commit and its wait (ptxas serialised every wgmma
   // of the kernel across one, C7514, in the backward).
   if constexpr (Tile::kIntraWgOverlap) {
-    if (tile < p.num_tiles && bars.tile[(q_iter - 1) & 1].cur >= 0) MbarWait(&bars.k_full[kv.stage], kv.phase);
+    wait_first_k(tile);
     sched_sync();
     issue_s(desc_q_of());
     sched_arrive();
@@ -475,7 +480,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
         tile = next_tile();
         MbarWait(&bars.v_full[prev.stage], prev.phase);  // V and the next tile's K before the turn
-        if (tile < p.num_tiles && bars.tile[(q_iter - 1) & 1].cur >= 0) MbarWait(&bars.k_full[kv.stage], kv.phase);
+        wait_first_k(tile);
         sched_sync();
         issue_pv(prev);
         issue_s(desc_q_of());  // the next tile's first S: the epilogue below runs under it
@@ -486,7 +491,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       } else {
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
         tile = next_tile();
-        if (tile < p.num_tiles && bars.tile[(q_iter - 1) & 1].cur >= 0) MbarWait(&bars.k_full[kv.stage], kv.phase);
+        wait_first_k(tile);
         sched_sync();
         issue_s(desc_q_of());
         sched_arrive();
