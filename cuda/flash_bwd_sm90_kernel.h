@@ -254,7 +254,7 @@ MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const fl
     }
 }
 
-template <typename T, int D, bool kDq>
+template <typename T, int D, bool kDq, bool kSoftcap>
 MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
   using Tile = BwdSm90Tile<D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
@@ -276,7 +276,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   BwdSm90Step* steps = reinterpret_cast<BwdSm90Step*>(smem + Tile::kBarOffset + Region::kStepOffset);
   const BwdParams& bp = p.base;
   const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
-  const bool softcap = bp.softcap > 0.0f;
+  constexpr bool softcap = kSoftcap;
   const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
 
   // S^T = K Q^T, dP^T = V dO^T: A = K / V (all 64 keys, K-major), B = the warpgroup's 32 rows of the Q / dO
@@ -328,9 +328,9 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     const float* delta_s = sdelta + ps.stage * BM + row0;
     WgmmaWait<1>();  // S^T has landed, dP^T still runs
     FenceRegs(s[0]);
-    if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
+    if constexpr (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
     MaskStep<NT>(s, steps[ps.stage], int64_t(CtaTile(tile_addr, 0)) * BN, BN, rb + row0, wwarp, g, t);
-    if (!softcap) ExpScores<NT>(s, lse_s, t, scale_log2);
+    if constexpr (!softcap) ExpScores<NT>(s, lse_s, t, scale_log2);
     WgmmaWait<0>();  // dP^T has landed
     FenceRegs(dp[0]);
     ProbsAndDs<NT>(s, dp, lse_s, delta_s, t, scale_log2, softcap, bp.softcap);
@@ -430,7 +430,9 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   }
 }
 
-template <typename T, int D, bool kDq>
+// kSoftcap: the launcher picks the instantiation (p.base.softcap > 0), as for the forward: the softcap path's
+// tanhf sequences out of the kernels that do not need them.
+template <typename T, int D, bool kDq, bool kSoftcap>
 __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     FlashBwdSm90Kernel(const __grid_constant__ BwdSm90Params p) {
   using Tile = BwdSm90Tile<D>;
@@ -549,12 +551,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // Head dim 256: the split-D consumers. An early return rather than an else around the code below: that
     // code is instantiated for D 256 too but never reached (and dropped), and the D 64 / 128 kernels compile
     // from exactly the source they had (an else block changed their register allocation).
-    BwdSm90SplitDConsumer<T, D, kDq>(p, smem, tile_addr, wg - 1);
+    BwdSm90SplitDConsumer<T, D, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
     return;
   }
   constexpr int DT = D / 8;
   const int cw = wg - 1, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
-  const bool softcap = bp.softcap > 0.0f;
+  constexpr bool softcap = kSoftcap;
   const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
   // K-major A operands: the warpgroup's 64 keys of K and V (chunks BN * 128 bytes apart).
   const uint64_t desc_k = SmemDesc128B(sk + cw * (WK * 128), 16);
@@ -679,10 +681,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // exponentials wait for dP^T: dS^T needs the capped score as well as P^T, 32 more live registers).
     WgmmaWait<1>();
     FenceRegs(s[0]);
-    if (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
+    if constexpr (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
     const int64_t k0 = int64_t(CtaTile(tile_addr, 0)) * BN + cw * WK;  // the warpgroup's keys
     MaskStep<8>(s, steps[ps.stage], k0, WK, rb, wwarp, g, t);
-    if (!softcap) ExpScores<8>(s, lse_s, t, scale_log2);
+    if constexpr (!softcap) ExpScores<8>(s, lse_s, t, scale_log2);
     WgmmaWait<0>();  // dP^T has landed: nothing in flight
     FenceRegs(dp[0]);
     ProbsAndDs<8>(s, dp, lse_s, delta_s, t, scale_log2, softcap, bp.softcap);

@@ -155,7 +155,10 @@ MAGI_DEV void PackP(const float (&s)[NT][4], uint32_t (&pa)[NT / 2][4]) {
   }
 }
 
-template <typename T, int D>
+// kSoftcap: the launcher picks the instantiation (p.base.softcap > 0). A template parameter rather than a
+// branch per step: the softcap path's tanhf sequences set the consumers' register peak, and with both paths in
+// one kernel ptxas kept the row sums of every step in local memory (a 28-byte spill at D 128).
+template <typename T, int D, bool kSoftcap>
 __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ FwdSm90Params p) {
   using Tile = FwdSm90Tile<D>;
   constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, kStages = Tile::kStages, kChunks = Tile::kChunks;
@@ -281,7 +284,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   const int cw = wg - 1, ctid = tid - 128, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
   (void)ctid;
   const int tq = args.tq;
-  const bool softcap = fp.softcap > 0.0f;
+  constexpr bool softcap = kSoftcap;
   const float scale_log2 = (softcap ? 1.0f : fp.scale) * kLog2e;
   // Descriptor bases: K and V of stage 0 (stages are kKvBytes apart); Q's is made per tile (its buffer).
   // Descriptors as their low 32 bits (start address >> 4, LBO), offsets added there: the high half (SBO
@@ -414,7 +417,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // The softmax of S(j): softcap, mask, update; alpha rescales O before the next PV.
     auto softmax_s = [&](float (&alpha)[2]) {
       FenceRegs(s[0]);
-      if (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
+      if constexpr (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
       if (!interior.Contains(st.c0)) MaskRows<1, NT>(s, lo, hi, st.c0, t);
       softmax.Update(s[0], scale_log2, alpha);
     };

@@ -149,7 +149,9 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   sp.num_kb = num_blocks;
   // MAGI_JAX_SM90_BWD_STAGGER=0: both consumer warpgroups start their walk together.
   sp.stagger = EnvEquals("MAGI_JAX_SM90_BWD_STAGGER", "0") ? 0 : 1;
-  auto kernel = reduce_dq ? FlashBwdSm90Kernel<T, D, true> : FlashBwdSm90Kernel<T, D, false>;
+  const bool softcap = p.softcap > 0.0f;
+  auto kernel = reduce_dq ? (softcap ? FlashBwdSm90Kernel<T, D, true, true> : FlashBwdSm90Kernel<T, D, true, false>)
+                          : (softcap ? FlashBwdSm90Kernel<T, D, false, true> : FlashBwdSm90Kernel<T, D, false, false>);
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)
     return err;

@@ -115,7 +115,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   sp.num_tiles = num_blocks * p.hq;
   sp.section_heads = SectionHeads(p, D, int(sizeof(T)), device);
   sp.work_stats = stats;
-  auto kernel = FlashFwdSm90Kernel<T, D>;
+  auto kernel = p.softcap > 0.0f ? FlashFwdSm90Kernel<T, D, true> : FlashFwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)
     return err;
