@@ -197,29 +197,40 @@ MAGI_DEV void ExpScores(float (&s)[1][NT][4], const float* lse_s, int t, float s
   }
 }
 
-// dS^T = P^T (dP^T - delta) into dp. Without softcap s already holds P^T (ExpScores); with it (softcap:
-// cap > 0, the caller's flag) s holds the capped score, becomes P^T here, and dS^T takes the softcap
-// derivative (0 on masked cells).
+// dS^T = P^T (dP^T - delta) into dp, s holding P^T (ExpScores). delta: the step's, at this thread's column
+// pairs (rows 8 ni + 2 t, + 1), read from shared memory (LoadDelta) before the wait for dP^T, so that the
+// subtractions after that wait wait on nothing else (ncu put ~10% of the consumers' stall samples on them
+// when they read delta there).
 template <int NT>
-MAGI_DEV void ProbsAndDs(float (&s)[1][NT][4], float (&dp)[1][NT][4], const float* lse_s, const float* delta_s, int t,
-                         float scale_log2, bool softcap, float cap) {
+MAGI_DEV void LoadDelta(const float* delta_s, int t, float2 (&delta)[NT]) {
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni) delta[ni] = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
+}
+template <int NT>
+MAGI_DEV void DsFromProbs(const float (&s)[1][NT][4], float (&dp)[1][NT][4], const float2 (&delta)[NT]) {
+#pragma unroll
+  for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[0][ni][e] = s[0][ni][e] * (dp[0][ni][e] - ((e & 1) ? delta[ni].y : delta[ni].x));
+}
+
+// With softcap: s holds the capped score and becomes P^T here; dS^T takes the softcap derivative (0 on
+// masked cells). delta is read here, after the wait (before it, the D 128 kernels spilled).
+template <int NT>
+MAGI_DEV void SoftcapProbsAndDs(float (&s)[1][NT][4], float (&dp)[1][NT][4], const float* lse_s, const float* delta_s,
+                                int t, float scale_log2, float cap) {
 #pragma unroll
   for (int ni = 0; ni < NT; ++ni) {
     const float2 dl = *reinterpret_cast<const float2*>(delta_s + ni * 8 + 2 * t);
-    if (softcap) {
-      const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
+    const float2 l2 = *reinterpret_cast<const float2*>(lse_s + ni * 8 + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float x = s[0][ni][e];
-        const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
-        const float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
-        const float th = x / cap;
-        s[0][ni][e] = prob;
-        dp[0][ni][e] = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
-      }
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[0][ni][e] = s[0][ni][e] * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+    for (int e = 0; e < 4; ++e) {
+      const float x = s[0][ni][e];
+      const float prob = Exp2(x * scale_log2 - ((e & 1) ? l2.y : l2.x));
+      const float ds = prob * (dp[0][ni][e] - ((e & 1) ? dl.y : dl.x));
+      const float th = x / cap;
+      s[0][ni][e] = prob;
+      dp[0][ni][e] = x == -INFINITY ? 0.0f : ds * (1.0f - th * th);
     }
   }
 }
@@ -330,10 +341,15 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     FenceRegs(s[0]);
     if constexpr (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
     MaskStep<NT>(s, steps[ps.stage], int64_t(CtaTile(tile_addr, 0)) * BN, BN, rb + row0, wwarp, g, t);
-    if constexpr (!softcap) ExpScores<NT>(s, lse_s, t, scale_log2);
+    float2 delta[NT];
+    if constexpr (!softcap) {
+      ExpScores<NT>(s, lse_s, t, scale_log2);
+      LoadDelta<NT>(delta_s, t, delta);
+    }
     WgmmaWait<0>();  // dP^T has landed
     FenceRegs(dp[0]);
-    ProbsAndDs<NT>(s, dp, lse_s, delta_s, t, scale_log2, softcap, bp.softcap);
+    if constexpr (softcap) SoftcapProbsAndDs<NT>(s, dp, lse_s, delta_s, t, scale_log2, bp.softcap);
+    else DsFromProbs<NT>(s, dp, delta);
     // Both warpgroups have retired the last step's wgmmas (wait<0> below): P^T / dS^T may be rewritten.
     NamedBarrierSync(5, Tile::kConsumerThreads);
     {
@@ -684,10 +700,15 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     if constexpr (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
     const int64_t k0 = int64_t(CtaTile(tile_addr, 0)) * BN + cw * WK;  // the warpgroup's keys
     MaskStep<8>(s, steps[ps.stage], k0, WK, rb, wwarp, g, t);
-    if constexpr (!softcap) ExpScores<8>(s, lse_s, t, scale_log2);
+    float2 delta[8];
+    if constexpr (!softcap) {
+      ExpScores<8>(s, lse_s, t, scale_log2);
+      LoadDelta<8>(delta_s, t, delta);
+    }
     WgmmaWait<0>();  // dP^T has landed: nothing in flight
     FenceRegs(dp[0]);
-    ProbsAndDs<8>(s, dp, lse_s, delta_s, t, scale_log2, softcap, bp.softcap);
+    if constexpr (softcap) SoftcapProbsAndDs<8>(s, dp, lse_s, delta_s, t, scale_log2, bp.softcap);
+    else DsFromProbs<8>(s, dp, delta);
     PackA64<T>(s[0], pa);
     PackA64<T>(dp[0], dsa);
   };
