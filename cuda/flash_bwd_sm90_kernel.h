@@ -182,7 +182,7 @@ MAGI_DEV void MaskStep(float (&s)[1][NT][4], const BwdSm90Step& info, int64_t k0
     int klo[2], khi[2];
     KeyInterval(sl, key, &klo[0], &khi[0]);
     KeyInterval(sl, key + 8, &klo[1], &khi[1]);
-    MaskRows<1, NT>(s, klo, khi, r0, t);
+    MaskRowsWarp<1, NT>(s, klo, khi, r0, t);
   }
 }
 

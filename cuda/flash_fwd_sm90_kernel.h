@@ -418,7 +418,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     auto softmax_s = [&](float (&alpha)[2]) {
       FenceRegs(s[0]);
       if constexpr (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
-      if (!interior.Contains(st.c0)) MaskRows<1, NT>(s, lo, hi, st.c0, t);
+      if (!interior.Contains(st.c0)) MaskRowsWarp<1, NT>(s, lo, hi, st.c0, t);
       softmax.Update(s[0], scale_log2, alpha);
     };
     auto release = [&](uint64_t* bar) {
