@@ -442,7 +442,10 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       TmaStore3d(src.dv, stage_v + c * (BN * 128), 64 * c, hk, src.row);
     }
     BulkCommit();
-    BulkWait();  // also completes this thread's dQ reduce-adds (the dq convert kernel reads them next)
+    // Until the stores (and this thread's dQ reduce-adds) have read shared memory, not until they have
+    // landed: the grid's end makes them visible to the next kernel (the dq convert), as CUTLASS's epilogues
+    // rely on; the SM's next CTA starts a write latency sooner.
+    BulkWaitRead();
   }
 }
 
@@ -844,7 +847,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       TmaStore3d(src.dv, stage_v + c * (BN * 128) + cw * (WK * 128), 64 * c, hk, src.row + cw * WK);
     }
     BulkCommit();
-    BulkWait();  // also completes this thread's dQ reduce-adds (the dq convert kernel reads them next)
+    // Until the stores (and this thread's dQ reduce-adds) have read shared memory, not until they have
+    // landed: the grid's end makes them visible to the next kernel (the dq convert), as CUTLASS's epilogues
+    // rely on; the SM's next CTA starts a write latency sooner.
+    BulkWaitRead();
   }
 }
 
