@@ -350,7 +350,7 @@ def report(results: list[dict], args, n: int) -> str:
                 for m, target in (("single", 0.95), ("allgather", 1.15), ("ring", 1.5)):
                     if m in args.methods:
                         x = magi / tf(mask, m, p)
-                        verdicts.append(f"magi / {m} = {x:.2f} (target >= {target}: {'met' if x >= target else 'MISSED'})")
+                        verdicts.append(f"magi / {m} = {x:.3f} (target >= {target}: {'met' if x >= target else 'MISSED'})")
     header = ["mask", "pass", *[f"{m} TFLOP/s per GPU (ms)" for m in args.methods],
               *[f"magi / {m}" for m in args.methods if m != "magi"]]
     groups = f" x {args.dp} data-parallel groups" if args.dp > 1 else ""

@@ -337,7 +337,7 @@ def target_check(results: list[dict], impl: str) -> str:
                 lines.append(f"  {case} {mode}: {absent} not measured (MISSED)")
                 continue
             ratio = mine["tflops"] / max(by[(case, p, mode)]["tflops"] for p in ran)
-            ok, shown = ratio >= bar, f"{ratio:.2f}x {'/'.join(peers)} (target {bar}x)"
+            ok, shown = ratio >= bar, f"{ratio:.3f}x {'/'.join(peers)} (target {bar}x)"
         met += ok
         lines.append(f"  {case} {mode}: {shown}: {'met' if ok else 'MISSED'}")
     return f"issue 4 targets for {impl}: {met} of {total} met\n" + "\n".join(lines)
