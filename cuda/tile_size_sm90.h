@@ -14,6 +14,11 @@
 
 namespace magi_jax::cuda {
 
+// The registers of a CTA of `threads` threads (__launch_bounds__(threads, 1): 65536 / threads per thread, in
+// units of 8), the pool that setmaxnreg moves registers within: an increase beyond it never completes (a
+// backward with 48 + 232 for 384 threads hung on its first GPU run, branch bwd-chain).
+constexpr int kSetMaxNRegPool(int threads) { return 65536 / threads / 8 * 8 * threads; }
+
 //
 // Head dim 256 (FA3's hopper/ choice for it: 128 x 80, P V from registers, intra-warpgroup overlap on):
 // key tiles of 80 (S is 64 x 80 per warpgroup: wgmma N 80; O += P V is N 256 in five k16 steps), one Q
@@ -46,7 +51,7 @@ struct FwdSm90Tile {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kRowsPerWarpgroup = kBlockM / kConsumerWarpgroups;
   static constexpr int kChunks = D / 64;
-  // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
+  // setmaxnreg: 128 x 40 + 256 x 232 = 64512 registers, the CTA's pool (168 per thread at launch).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 
@@ -73,7 +78,8 @@ struct FwdSm90Tile {
   static_assert((kBlockN * 128) % 1024 == 0 && kKvBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(!kOInQ || kQStages == 1, "the Q buffer doubles as O staging only when there is one");
   static_assert(kSmemBytes <= 227 * 1024, "fits one CTA per SM");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kSetMaxNRegPool(kThreads),
+                "setmaxnreg.inc waits forever for registers beyond the CTA's pool");
 };
 
 // The mbarriers and the tile ring (one FwdTileRecord per slot), at kBarOffset.
@@ -122,7 +128,7 @@ struct BwdSm90Tile {
   // Keys whose dK / dV rows a warpgroup holds (kSplitD: all of them, for half of the columns).
   static constexpr int kKeysPerWarpgroup = kSplitD ? kBlockN : kBlockN / kConsumerWarpgroups;
   static constexpr int kChunks = D / 64;
-  // setmaxnreg: 128 x 40 + 256 x 232 = 64512 <= 65536 registers.
+  // setmaxnreg: 128 x 40 + 256 x 232 = 64512 registers, the CTA's pool (168 per thread at launch).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 
@@ -156,7 +162,8 @@ struct BwdSm90Tile {
   static_assert(kDsOffset % 1024 == 0 && kDqOffset % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(kStages * kRowBytes >= kKvBytes, "dK / dV are staged in the Q / dO rings for the TMA store");
   static_assert(kSmemBytes <= 227 * 1024, "fits one CTA per SM");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kSetMaxNRegPool(kThreads),
+                "setmaxnreg.inc waits forever for registers beyond the CTA's pool");
 };
 
 template <int kStages>
