@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import gzip
 import json
+import math
 import pathlib
 import platform
 import statistics
@@ -50,6 +51,12 @@ def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7, calls: i
 def attention_flops(area: int, heads_q: int, head_dim: int, backward: bool = False) -> float:
     """DESIGN.md section 5: forward 4 * area * Hq * D, forward+backward 3.5x that."""
     return 4.0 * area * heads_q * head_dim * (3.5 if backward else 1.0)
+
+
+def ratio_text(x: float) -> str:
+    """A target ratio to three decimals, cut rather than rounded: a miss never reads as its target (0.9998 is
+    0.999, not 1.000), and a ratio that meets a target of up to three decimals never reads below it."""
+    return f"{math.floor(x * 1000) / 1000:.3f}"
 
 
 def machine_line() -> str:

@@ -54,7 +54,7 @@ from magi_jax.planner import make_plan  # noqa: E402
 from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
 from bench.common import (append_report, attention_flops, doc_lengths, gpu_kernel_events,  # noqa: E402
                           host_events, kernel_totals, last_step, markdown_table, median_seconds,
-                          newest_perfetto_trace)
+                          newest_perfetto_trace, ratio_text)
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
@@ -350,7 +350,8 @@ def report(results: list[dict], args, n: int) -> str:
                 for m, target in (("single", 0.95), ("allgather", 1.15), ("ring", 1.5)):
                     if m in args.methods:
                         x = magi / tf(mask, m, p)
-                        verdicts.append(f"magi / {m} = {x:.3f} (target >= {target}: {'met' if x >= target else 'MISSED'})")
+                        verdict = "met" if x >= target else "MISSED"
+                        verdicts.append(f"magi / {m} = {ratio_text(x)} (target >= {target}: {verdict})")
     header = ["mask", "pass", *[f"{m} TFLOP/s per GPU (ms)" for m in args.methods],
               *[f"magi / {m}" for m in args.methods if m != "magi"]]
     groups = f" x {args.dp} data-parallel groups" if args.dp > 1 else ""

@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(ROOT))  # run as a script: make the repository's bench package importable
-from bench.common import doc_lengths, median_seconds  # noqa: E402
+from bench.common import doc_lengths, median_seconds, ratio_text  # noqa: E402
 
 
 def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
@@ -337,7 +337,7 @@ def target_check(results: list[dict], impl: str) -> str:
                 lines.append(f"  {case} {mode}: {absent} not measured (MISSED)")
                 continue
             ratio = mine["tflops"] / max(by[(case, p, mode)]["tflops"] for p in ran)
-            ok, shown = ratio >= bar, f"{ratio:.3f}x {'/'.join(peers)} (target {bar}x)"
+            ok, shown = ratio >= bar, f"{ratio_text(ratio)}x {'/'.join(peers)} (target {bar}x)"
         met += ok
         lines.append(f"  {case} {mode}: {shown}: {'met' if ok else 'MISSED'}")
     return f"issue 4 targets for {impl}: {met} of {total} met\n" + "\n".join(lines)
