@@ -1,0 +1,85 @@
+"""Host model of the sm90 forward's computed cells against the unmasked area (no GPU needed): how much of the
+work the tiling itself wastes on the bench cases' masks, and how much finer walks would save.
+
+The forward computes, per q block of 128 rows and per slice of its list, every 128-key tile of the slice's
+key span over the block's rows (scheduler_sm90.h FwdStep), for both consumer warpgroups (64 rows each).
+Variants, each as computed cells / unmasked cells:
+  now          that walk;
+  wg_tiles     each warpgroup walks the 128-key tiles of its own 64 rows (skips whole tiles it does not need);
+  wg_halves    each warpgroup walks 64-key halves at its span's ends (a half step: S with N = 64, PV over
+               64 keys) and whole tiles between;
+  union        one walk per q block over the union of its slices' key tiles (slices with disjoint rows in
+               the same block, such as a document's causal head and its band, share their key tiles);
+  union_halves both of the last two.
+
+    python cuda/tools/tile_waste.py [case ...]      # default: every case of bench/kernel.py
+
+Head dim 256 walks 80-key tiles: its row, at 128, only indicates.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.kernel import make_cases  # noqa: E402
+from magi_jax.mask import AttnMask, AttnMaskType  # noqa: E402
+
+BLOCK_M, BLOCK_N, WG_M = 128, 128, 64
+
+
+def key_span(q: tuple[int, int], k: tuple[int, int], t: AttnMaskType, rb: int, re: int) -> tuple[int, int]:
+    """Keys attended by any of the rows [rb, re) of a slice (the kernel's KeySpan)."""
+    (qs, qe), (ks, ke) = q, k
+    lo = ks + (rb - qs) if t in (AttnMaskType.INV_CAUSAL, AttnMaskType.BI_CAUSAL) else ks
+    hi = ke - (qe - re) if t in (AttnMaskType.CAUSAL, AttnMaskType.BI_CAUSAL) else ke
+    return max(lo, ks), min(hi, ke)
+
+
+def unmasked_cells(mask: AttnMask) -> int:
+    total = 0
+    for q, k, t in zip(mask.q_ranges, mask.k_ranges, mask.types):
+        for r in range(q[0], q[1]):
+            lo, hi = key_span(q, k, t, r, r + 1)
+            total += max(0, hi - lo)
+    return total
+
+
+def computed_cells(mask: AttnMask, rows: int, halves: bool, union: bool) -> int:
+    """Cells computed when units of `rows` rows walk key units (64-key halves at the span's ends if `halves`,
+    else 128-key tiles), per slice or over the union of the slices' units per row unit."""
+    units: dict[int, set[int]] = {}
+    cells = 0
+    for q, k, t in zip(mask.q_ranges, mask.k_ranges, mask.types):
+        for b in range(q[0] // rows, -(-q[1] // rows)):
+            lo, hi = key_span(q, k, t, max(q[0], b * rows), min(q[1], (b + 1) * rows))
+            if hi <= lo:
+                continue
+            if halves:  # 64-key units: whole tiles inside the span are two of them
+                span = set(range(lo // 64, -(-hi // 64)))
+            else:
+                span = {2 * j + h for j in range(lo // BLOCK_N, -(-hi // BLOCK_N)) for h in (0, 1)}
+            if union:
+                units.setdefault(b, set()).update(span)
+            else:
+                cells += len(span) * 64 * rows
+    return cells + sum(len(s) for s in units.values()) * 64 * rows
+
+
+def main() -> int:
+    wanted = sys.argv[1:]
+    print(f"{'case':26s} {'now':>7s} {'wg_tiles':>9s} {'wg_halves':>10s} {'union':>7s} {'union_halves':>13s}")
+    for case in make_cases():
+        if wanted and case.name not in wanted:
+            continue
+        area = unmasked_cells(case.mask)
+        ratios = [computed_cells(case.mask, rows, halves, union) / area for rows, halves, union in
+                  ((BLOCK_M, False, False), (WG_M, False, False), (WG_M, True, False), (BLOCK_M, False, True),
+                   (WG_M, True, True))]
+        print(f"{case.name:26s} " + " ".join(f"{r:{w}.4f}" for r, w in zip(ratios, (7, 9, 10, 7, 13))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
