@@ -5,8 +5,10 @@
 # in the device call's carry); the last argument is the cases.
 #   bash cuda/tools/ab_bench.sh .snap .snap_b "varlen_swa1024_32k causal_4k_x8"   # from the repo root
 #   bash cuda/tools/ab_bench.sh .snap_b .snap .snap_c "causal_32k"                 # three trees, in turn
-# Knobs: AB_TESTS (a pytest -k expression run on each tree, tests/test_ffa_sm90_gpu.py and
-# tests/test_ffa_gpu.py), AB_IMPLS (default "ffa cudnn"). Writes $OUT/ab_<tree>.md and $OUT/ab_<tree>_tests.log.
+# Knobs: AB_TESTS (a pytest -k expression run on each tree but the first, the baseline, unless AB_TEST_BASE=1;
+# tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py), AB_IMPLS (default "ffa cudnn"; a column a tree's
+# bench/kernel.py does not know is left empty), AB_TEST_WORKERS (pytest-xdist processes, default 4). Writes
+# $OUT/ab_<tree>.md and $OUT/ab_<tree>_tests.log.
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
@@ -18,9 +20,10 @@ for tree in "${@:1:$#-1}"; do
   python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/ab_${name}_build.log" 2>&1 || {
     echo "$tree: build failed"; tail -20 "$OUT/ab_${name}_build.log"; exit 1; }
   rm -f "$OUT/ab_${name}_build.log"
-  if [ -n "${AB_TESTS:-}" ]; then
+  if [ -n "${AB_TESTS:-}" ] && { [ "$tree" != "$1" ] || [ "${AB_TEST_BASE:-0}" = 1 ]; }; then
     XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${AB_TEST_TIMEOUT:-180}" python3 -m pytest -q -x -p no:cacheprovider \
-      tests/test_ffa_sm90_gpu.py tests/test_ffa_gpu.py -k "$AB_TESTS" > "$OUT/ab_${name}_tests.log" 2>&1
+      -n "${AB_TEST_WORKERS:-4}" tests/test_ffa_sm90_gpu.py tests/test_ffa_gpu.py -k "$AB_TESTS" \
+      > "$OUT/ab_${name}_tests.log" 2>&1
     echo "$tree tests: rc $? $(tail -1 "$OUT/ab_${name}_tests.log")"
   fi
   echo "=== $tree"
