@@ -2,10 +2,11 @@
 # Nsight Compute on one FFA kernel launch of a bench/kernel.py case (GPU machine, Firecracker runtime):
 # the full section set, then the details page and the SASS lines with the most warp-stall samples.
 #   bash cuda/tools/ncu_profile.sh causal_32k fwd FlashFwdSm90Kernel   # -> $OUT/ncu_<case>_<mode>.txt, _sass.csv
+#   MAGI_JAX_SM90_BWD_CHAIN=1 NCU_TAG=cta1 bash cuda/tools/ncu_profile.sh ...  # a variant, its own file names
 set -u
 CASE=$1 MODE=$2 KERNEL=$3
 OUT=${OUT:-/tmp/magi_out}
-TAG=${CASE}_${MODE/+/_}  # no "+" in file names
+TAG=${CASE}_${MODE/+/_}${NCU_TAG:+_$NCU_TAG}  # no "+" in file names
 REP=/tmp/ncu_$TAG
 TXT="$OUT/ncu_${TAG}.txt"
 NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)}
