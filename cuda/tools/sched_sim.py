@@ -28,16 +28,21 @@ from magi_jax.mask import AttnMask, AttnMaskType  # noqa: E402
 BLOCK_M = 128
 
 
+def key_span(q: tuple[int, int], k: tuple[int, int], t: AttnMaskType, rb: int, re: int) -> tuple[int, int]:
+    """Keys attended by any of the rows [rb, re) of a slice (the kernel's KeySpan)."""
+    (qs, qe), (ks, ke) = q, k
+    lo = ks + (rb - qs) if t in (AttnMaskType.INV_CAUSAL, AttnMaskType.BI_CAUSAL) else ks
+    hi = ke - (qe - re) if t in (AttnMaskType.CAUSAL, AttnMaskType.BI_CAUSAL) else ke
+    return max(lo, ks), min(hi, ke)
+
+
 def block_work(mask: AttnMask, block_n: int) -> np.ndarray:
     """Key tiles walked by each q block of BLOCK_M rows (the kernel's FwdBlockWork without its +1)."""
     nb = -(-mask.total_seqlen_q // BLOCK_M)
     work = np.zeros(nb, np.int64)
-    for (qs, qe), (ks, ke), t in zip(mask.q_ranges, mask.k_ranges, mask.types):
-        for b in range(qs // BLOCK_M, -(-qe // BLOCK_M)):
-            rb, re = max(qs, b * BLOCK_M), min(qe, (b + 1) * BLOCK_M)
-            lo = ks + (rb - qs) if t in (AttnMaskType.INV_CAUSAL, AttnMaskType.BI_CAUSAL) else ks
-            hi = ke - (qe - re) if t in (AttnMaskType.CAUSAL, AttnMaskType.BI_CAUSAL) else ke
-            lo, hi = max(lo, ks), min(hi, ke)
+    for q, k, t in zip(mask.q_ranges, mask.k_ranges, mask.types):
+        for b in range(q[0] // BLOCK_M, -(-q[1] // BLOCK_M)):
+            lo, hi = key_span(q, k, t, max(q[0], b * BLOCK_M), min(q[1], (b + 1) * BLOCK_M))
             if hi > lo:
                 work[b] += -(-(hi - lo) // block_n)
     return work

@@ -24,17 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernel import make_cases  # noqa: E402
-from magi_jax.mask import AttnMask, AttnMaskType  # noqa: E402
+from magi_jax.mask import AttnMask  # noqa: E402
+from sched_sim import key_span  # noqa: E402  (its folder is on sys.path: run as a script or by the tests)
 
 BLOCK_M, BLOCK_N, WG_M = 128, 128, 64
-
-
-def key_span(q: tuple[int, int], k: tuple[int, int], t: AttnMaskType, rb: int, re: int) -> tuple[int, int]:
-    """Keys attended by any of the rows [rb, re) of a slice (the kernel's KeySpan)."""
-    (qs, qe), (ks, ke) = q, k
-    lo = ks + (rb - qs) if t in (AttnMaskType.INV_CAUSAL, AttnMaskType.BI_CAUSAL) else ks
-    hi = ke - (qe - re) if t in (AttnMaskType.CAUSAL, AttnMaskType.BI_CAUSAL) else ke
-    return max(lo, ks), min(hi, ke)
 
 
 def unmasked_cells(mask: AttnMask) -> int:
