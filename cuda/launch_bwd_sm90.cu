@@ -58,7 +58,8 @@ template <int BN, int BM>
 cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes, int32_t* scratch,
                            cudaStream_t stream, const int32_t** tiles_out) {
   *tiles_out = nullptr;
-  if (scratch == nullptr || EnvEquals("MAGI_JAX_SM90_BWD_ORDER", "grid") || int64_t(num_kb) * p.hkv >= INT_MAX) return cudaSuccess;
+  if (scratch == nullptr || EnvEquals("MAGI_JAX_SM90_BWD_ORDER", "grid") || int64_t(num_kb) * p.hkv >= INT_MAX)
+    return cudaSuccess;
   int device = 0, sms = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
