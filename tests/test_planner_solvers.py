@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from magi_jax.planner.chunks import chunk_table
-from magi_jax.planner.solvers import (SOLVERS, affinity_greedy, comm_aware, contiguous, minheap,
-                                      predicted_remote, zigzag)
+from magi_jax.planner.solvers import (CAP_LADDER, SOLVERS, _comm_aware_at, affinity_greedy, comm_aware, contiguous,
+                                      minheap, predicted_remote, zigzag)
 from magi_jax.planner.workloads import sample_doc_lengths, varlen_mask
 
 
@@ -44,6 +44,21 @@ def test_comm_aware_balances_and_fetches_less(cp, seed):
     loads = np.array([table.areas[p].sum() for p in parts])
     assert loads.max() <= 1.02 * loads.mean() + 1e-6
     assert predicted_remote(table, parts).max() < predicted_remote(table, minheap(table.areas, cp)).max()
+
+
+def test_comm_aware_keeps_the_best_of_its_cap_ladder():
+    # seed 1: the search under the cap itself ends at 2692 remote keys on a rank, a tighter one at 2346
+    mask = varlen_mask(sample_doc_lengths(2 * 16384, 1))
+    table = chunk_table(mask, 512, 64)
+
+    def cost(parts):
+        loads = np.array([table.areas[p].sum() for p in parts])
+        return (loads + 1800.0 * predicted_remote(table, parts)).max(), loads
+
+    best, loads = cost(comm_aware(table, 2))
+    assert loads.max() <= 1.02 * loads.mean() + 1e-6
+    ladder = [cost(_comm_aware_at(table, 2, 1.0, 1800.0, 1 + 0.02 * f, 0.005, None, 4, 8))[0] for f in CAP_LADDER]
+    assert best == min(ladder) < ladder[0]
 
 
 def test_comm_aware_keeps_a_balanced_contiguous_split():
