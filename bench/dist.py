@@ -265,7 +265,9 @@ def rel_diff(a, b) -> float:
 
 def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
     """Every method on one mask. On a (dp, cp) mesh each of the dp groups attends its own batch element with
-    the same mask (per-GPU work: the mask's area / cp, as on a 1-D mesh of cp)."""
+    the same mask (per-GPU work: the mask's area / cp, as on a 1-D mesh of cp). Every method is built and
+    compiled first; then ``args.rounds`` rounds time each method in turn (the machine's drift during the run
+    falls on all of them alike) and a method's time is the median of its rounds."""
     n = mesh.shape["cp"]
     dp = mesh.shape.get("dp", 1)
     total = args.tokens_per_gpu * n
@@ -287,6 +289,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_bwd_fused": functools.partial(build_magi, backward="fused")}
     builders |= {m: functools.partial(build_magi, sm_margin=int(m[len("magi_margin"):]))
                  for m in args.methods if m.startswith("magi_margin")}
+    timed = []   # (row, work, note, [(pass, fn)], inputs)
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n * dp, "cp": n, "dp": dp, "tokens": total, "area": area}
         try:
@@ -313,18 +316,30 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                     reference = got
                 else:
                     row["rel_diff_vs_first"] = rel_diff(got, reference)
-            for label, func, backward in (("fwd", f, False), ("fwd+bwd", g, True)):
-                t = median_seconds(func, *inputs, warmup=args.warmup, reps=args.reps, calls=args.calls)
-                tf = attention_flops(int(work), args.heads, args.head_dim, backward) / t / 1e12
-                results.append({**row, "pass": label, "ms": t * 1e3, "tflops_per_gpu": tf, "note": note})
-                print(f"  {method:9s} {label:7s} {t * 1e3:9.3f} ms  {tf:7.1f} TFLOP/s per GPU  {note}"
-                      + (f"  (out vs {args.methods[0]}: {row['rel_diff_vs_first']:.1e})"
-                         if "rel_diff_vs_first" in row else ""), flush=True)
+            jax.block_until_ready(g(*inputs))
+            timed.append((row, work, note, [("fwd", f), ("fwd+bwd", g)], inputs))
         except Exception as e:  # a failing baseline must not hide the others
             traceback.print_exc()
             results.append({**row, "pass": "error", "ms": float("nan"), "tflops_per_gpu": float("nan"),
                             "note": f"{type(e).__name__}: {str(e)[:200]}"})
             print(f"  {method}: FAILED {type(e).__name__}: {e}", flush=True)
+    rounds: dict[tuple[str, str], list[float]] = {}
+    for _ in range(args.rounds):
+        for row, _, _, passes, inputs in timed:
+            for label, func in passes:
+                t = median_seconds(func, *inputs, warmup=args.warmup, reps=args.reps, calls=args.calls)
+                rounds.setdefault((row["method"], label), []).append(t * 1e3)
+    for row, work, note, passes, _ in timed:
+        for label, _ in passes:
+            ms_rounds = rounds[(row["method"], label)]
+            ms = float(np.median(ms_rounds))
+            tf = attention_flops(int(work), args.heads, args.head_dim, label == "fwd+bwd") / ms / 1e9
+            results.append({**row, "pass": label, "ms": ms, "ms_rounds": ms_rounds, "tflops_per_gpu": tf,
+                            "note": note})
+            print(f"  {row['method']:9s} {label:7s} {ms:9.3f} ms  {tf:7.1f} TFLOP/s per GPU  {note}"
+                  f"  (rounds: {', '.join(f'{x:.3f}' for x in ms_rounds)})"
+                  + (f"  (out vs {args.methods[0]}: {row['rel_diff_vs_first']:.1e})"
+                     if "rel_diff_vs_first" in row else ""), flush=True)
 
 
 def report(results: list[dict], args, n: int) -> str:
@@ -356,8 +371,9 @@ def report(results: list[dict], args, n: int) -> str:
               *[f"magi / {m}" for m in args.methods if m != "magi"]]
     groups = f" x {args.dp} data-parallel groups" if args.dp > 1 else ""
     notes = (f"{n} GPUs{groups}, {args.tokens_per_gpu} tokens per GPU, {jnp.dtype(args.dtype).name}, {args.heads} q heads, "
-             f"{args.kv_heads} kv heads, D {args.head_dim}; median of {args.reps} samples of {args.calls} back-to-back "
-             f"calls after {args.warmup} warm-up; "
+             f"{args.kv_heads} kv heads, D {args.head_dim}; per method the median of {args.rounds} rounds (methods in "
+             f"turn within a round), each the median of {args.reps} samples of {args.calls} back-to-back calls after "
+             f"{args.warmup} warm-up; "
              f"TFLOP/s per GPU on the unmasked area (single: on its share). Targets (varlen causal, fwd+bwd): "
              + ("; ".join(verdicts) if verdicts else "not evaluated"))
     extra = [f"{r['mask']}: magi {r['note']}" for r in results if r["method"] == "magi" and r["pass"] == "fwd"]
@@ -498,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all methods; each method's median is kept")
     ap.add_argument("--calls", type=int, default=10,
                     help="back-to-back calls per timed sample, as a training loop dispatches its steps (1: each "
                          "call also pays one multi-GPU dispatch-and-sync latency)")

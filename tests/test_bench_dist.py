@@ -15,7 +15,7 @@ import bench.dist as dist  # noqa: E402
 def toy(gpus: int = 2) -> list[str]:
     return ["--platform", "cpu", "--gpus", str(gpus), "--tokens-per-gpu", "1024", "--heads", "2", "--kv-heads", "2",
             "--head-dim", "64", "--dtype", "float32", "--reps", "1", "--warmup", "1", "--calls", "2",
-            "--no-append", "--masks", "varlen_causal"]
+            "--rounds", "2", "--no-append", "--masks", "varlen_causal"]
 
 
 def test_methods_run_and_agree(tmp_path, monkeypatch, capsys):
@@ -26,6 +26,7 @@ def test_methods_run_and_agree(tmp_path, monkeypatch, capsys):
     assert {(r["method"], r["pass"]) for r in results} == {(m, p) for m in methods for p in ("fwd", "fwd+bwd")}
     for r in results:
         assert r["ms"] > 0 and r["tflops_per_gpu"] > 0, r
+        assert len(r["ms_rounds"]) == 2 and min(r["ms_rounds"]) <= r["ms"] <= max(r["ms_rounds"]), r
         if r["method"] not in ("magi", "single"):  # the dispatched output against magi's, in float32
             assert r["rel_diff_vs_first"] < 1e-5, r
     table = capsys.readouterr().out
