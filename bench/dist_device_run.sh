@@ -58,8 +58,9 @@ for s in $STEPS; do
       ;;
     tests)
       : > "$OUT/tests.log"
+      eval "test_args=(${TESTS:-})"  # quotes allowed: TESTS='-k "not range_ops and not packed"'
       step tests "${TEST_TIMEOUT:-300}" "$OUT/tests.log" \
-        python3 -m pytest -q -rfE -p no:cacheprovider --durations=10 -s tests/test_dist_gpu.py ${TESTS:-}
+        python3 -m pytest -q -rfE -p no:cacheprovider --durations=10 -s tests/test_dist_gpu.py "${test_args[@]}"
       grep -E "passed|failed|error" "$OUT/tests.log" | tail -3 >> "$SUMMARY"
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30 >> "$SUMMARY"
       ;;
