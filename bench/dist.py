@@ -303,8 +303,10 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 work, note = area / n, ""
                 if method.startswith("magi"):
                     s = plan.stats()
+                    remote_share = s.stage_area.sum(axis=0) / np.maximum(s.area, 1)
                     note = (f"stages {plan.num_stages}, imbalance {s.imbalance:.3f}, max remote keys "
-                            f"{int(s.remote_keys.max())}")
+                            f"{int(s.remote_keys.max())}, remote area share per rank "
+                            + " ".join(f"{x:.2f}" for x in remote_share))
                     row.update(stages=plan.num_stages, imbalance=float(s.imbalance),
                                max_remote_keys=int(s.remote_keys.max()))
             f = jax.jit(fn)
