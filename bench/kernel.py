@@ -196,7 +196,9 @@ def jitted(fn: Callable, mode: str) -> Callable:
     return jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
 
 
-def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
+def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3) -> None:
+    """Every implementation on one case: each is compiled and checked against ffa first; then ``rounds``
+    rounds time them in turn (the machine's drift falls on all alike) and each keeps its median round."""
     total = case.mask.total_seqlen_q
     area = case.mask.area()
     flops = 4.0 * area * H * case.head_dim
@@ -216,36 +218,49 @@ def run_case(case: Case, impls: list[str], results: list[dict]) -> None:
                 results.append(dict(case=case.name, impl=name, error=f"unavailable: {e!r}"[:300]))
                 print(f"[{case.name}] {name}: unavailable ({e!r})"[:200], flush=True)
     reference: dict[str, jax.Array] = {}
+    timed = []   # (row, f)
     for name, fn in fns.items():
         for mode in ("fwd", "fwd+bwd"):
             row = dict(case=case.name, impl=name, mode=mode, tokens=total, area=area, slices=case.mask.num_slices)
-            select_kernel(name)  # the previous measurement ended in block_until_ready: nothing in flight
+            select_kernel(name)  # the previous call ended in block_until_ready: nothing in flight
             try:
                 f = jitted(fn, mode)
-                if mode == "fwd":
-                    out = f(q, k, v)
-                    if name == "ffa":
-                        reference["out"] = out
-                    row["rel_diff_vs_ffa"] = rel_diff(out, reference["out"]) if "out" in reference else float("nan")
-                    del out
-                    mult = 1.0
-                else:
-                    dq = f(q, k, v)[0]
-                    if name == "ffa":
-                        reference["dq"] = dq
-                    row["rel_diff_vs_ffa"] = rel_diff(dq, reference["dq"]) if "dq" in reference else float("nan")
-                    del dq
-                    mult = 3.5
-                seconds = median_seconds(f, q, k, v, warmup=1, reps=5, calls=10)
-                row.update(ms=round(seconds * 1e3, 3), tflops=round(flops * mult / seconds / 1e12, 1))
+                key = "out" if mode == "fwd" else "dq"
+                got = f(q, k, v) if mode == "fwd" else f(q, k, v)[0]
+                if name == "ffa":
+                    reference[key] = got
+                row["rel_diff_vs_ffa"] = rel_diff(got, reference[key]) if key in reference else float("nan")
+                del got
+                timed.append((row, f))
+            except Exception as e:
+                traceback.print_exc(limit=2)
+                row["error"] = repr(e)[:400]
+                results.append(row)
+                print(f"[{case.name}] {name:>10} {mode:>7}: error {row['error'][:120]}", flush=True)
+            jax.effects_barrier()
+    times: dict[int, list[float]] = {}
+    for _ in range(rounds):
+        for i, (row, f) in enumerate(timed):
+            if "error" in row:
+                continue
+            select_kernel(row["impl"])
+            try:
+                times.setdefault(i, []).append(median_seconds(f, q, k, v, warmup=1, reps=5, calls=10))
             except Exception as e:
                 traceback.print_exc(limit=2)
                 row["error"] = repr(e)[:400]
             jax.effects_barrier()
-            results.append(row)
-            shown = (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s  diff vs ffa {row['rel_diff_vs_ffa']:.1e}"
-                     if "ms" in row else f"error {row['error'][:120]}")
-            print(f"[{case.name}] {name:>10} {mode:>7}: {shown}", flush=True)
+    for i, (row, _) in enumerate(timed):
+        if "error" not in row:
+            seconds = float(np.median(times[i]))
+            mult = 1.0 if row["mode"] == "fwd" else 3.5
+            row.update(ms=round(seconds * 1e3, 3), tflops=round(flops * mult / seconds / 1e12, 1),
+                       ms_rounds=[round(t * 1e3, 3) for t in times[i]])
+        results.append(row)
+        shown = (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s  diff vs ffa {row['rel_diff_vs_ffa']:.1e}  "
+                 f"(rounds: {', '.join(f'{t:.3f}' for t in row['ms_rounds'])})"
+                 if "ms" in row else f"error {row['error'][:120]}")
+        print(f"[{case.name}] {row['impl']:>10} {row['mode']:>7}: {shown}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------- table
@@ -368,6 +383,7 @@ def main() -> None:
                              "ffa_bwd_grid the backward's CTAs in grid order, ffa_bwd_even its consumer "
                              "warpgroups starting together")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the implementations per case")
     args = parser.parse_args()
     device = jax.devices()[0]
     print(f"{device.device_kind}; {versions()}", flush=True)
@@ -376,7 +392,7 @@ def main() -> None:
         if args.cases and case.name not in args.cases:
             continue
         print(f"[{case.name}] {case.mask.num_slices} slices, area {case.mask.area():.3e}", flush=True)
-        run_case(case, args.impls, results)
+        run_case(case, args.impls, results, args.rounds)
     text = table(results)
     bar = speed_bar(results)
     bar += "\n\n" + target_check(results, "ffa")
@@ -384,7 +400,8 @@ def main() -> None:
     command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     section = (f"\n## Kernel, one GPU ({datetime.date.today().isoformat()})\n\n{device.device_kind}; {versions()}; "
                f"bf16, {H} heads, D {D} (the _d256 case: 256); TFLOP/s on the unmasked area "
-               f"(fwd+bwd = 3.5x fwd flops); median of 5 x 10 calls.\nCommand: `{command}`\n\n{text}\n\n{bar}\n")
+               f"(fwd+bwd = 3.5x fwd flops); per implementation the median of {args.rounds} rounds (implementations "
+               f"in turn), each the median of 5 x 10 calls.\nCommand: `{command}`\n\n{text}\n\n{bar}\n")
     if not args.no_append:
         with open(ROOT / "BENCHMARKS.md", "a") as f:
             f.write(section)

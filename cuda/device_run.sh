@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 TEST_FILES=${TEST_FILES:-"tests/test_ffa_sm90_gpu.py tests/test_ffa_gpu.py$([ "${MMA:-0}" = 1 ] && echo ' tests/test_ffa_mma_gpu.py')"}
 BENCH_ARGS=${BENCH_ARGS:---impls ffa ffa_mma cudnn}
 TEST_TIMEOUT=${TEST_TIMEOUT:-360}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-480}  # bench/kernel.py times 3 rounds
 if [ "${QUICK:-0}" = 1 ]; then
   QUICK_K="persistent or repeatable or agree or (each_type_alone and 128-bfloat16) or mixed_types or (gqa and 8-2) or softcap or (256 and each_type_alone) or two_key or chained or nothing or empty or sm_margin or l2_sections or merged or multiple_of_four or packed or tile_orders"
   TEST_K=${TEST_K:-$QUICK_K}

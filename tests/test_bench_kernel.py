@@ -66,3 +66,17 @@ def test_table_has_a_ratio_column_per_scheduler_variant(kernel_bench):
     assert lines[1].count("---") == 7
     assert lines[3] == "| causal_32k | fwd+bwd | 500.0 (1.0) | 400.0 (1.0) | 550.0 (1.0) | 0.91 | 1.25 |"
     assert lines[2].endswith("| - | - |")  # no forward rows measured
+
+
+def test_run_case_times_every_impl_over_rounds(kernel_bench):
+    # a toy case on the CPU: both implementations compiled and checked first, then timed in 2 rounds
+    from magi_jax import masks
+    mask = masks.varlen_causal([96, 160])
+    case = kernel_bench.Case("toy", mask, {"xla_dense": lambda: kernel_bench.xla_dense(mask)}, head_dim=64)
+    results = []
+    kernel_bench.run_case(case, ["ffa", "xla_dense"], results, rounds=2)
+    assert {(r["impl"], r["mode"]) for r in results} == {(i, m) for i in ("ffa", "xla_dense")
+                                                          for m in ("fwd", "fwd+bwd")}
+    for r in results:
+        assert len(r["ms_rounds"]) == 2 and min(r["ms_rounds"]) <= r["ms"] <= max(r["ms_rounds"]), r
+        assert r["rel_diff_vs_ffa"] < 2e-2, r       # bf16 inputs, two implementations

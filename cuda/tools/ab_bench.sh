@@ -7,8 +7,10 @@
 #   bash cuda/tools/ab_bench.sh .snap_b .snap .snap_c "causal_32k"                 # three trees, in turn
 # Knobs: AB_TESTS (a pytest -k expression run on each tree but the first, the baseline, unless AB_TEST_BASE=1;
 # tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py), AB_IMPLS (default "ffa cudnn"; a column a tree's
-# bench/kernel.py does not know is left empty), AB_TEST_WORKERS (pytest-xdist processes, default 4). Writes
-# $OUT/ab_<tree>.md and $OUT/ab_<tree>_tests.log.
+# bench/kernel.py does not know is left empty), AB_TEST_WORKERS (pytest-xdist processes, default 4), AB_ROUNDS
+# (bench/kernel.py --rounds, default 1, for the trees whose bench has it: each tree runs in its own process,
+# so rounds interleave the implementations of one tree only). Writes $OUT/ab_<tree>.md and
+# $OUT/ab_<tree>_tests.log.
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
@@ -27,6 +29,9 @@ for tree in "${@:1:$#-1}"; do
     echo "$tree tests: rc $? $(tail -1 "$OUT/ab_${name}_tests.log")"
   fi
   echo "=== $tree"
-  timeout "${AB_BENCH_TIMEOUT:-150}" python3 bench/kernel.py --no-append --impls ${AB_IMPLS:-ffa cudnn} --cases $CASES 2>&1 |
+  rounds=()
+  grep -q -- '"--rounds"' bench/kernel.py && rounds=(--rounds "${AB_ROUNDS:-1}")
+  timeout "${AB_BENCH_TIMEOUT:-150}" python3 bench/kernel.py --no-append "${rounds[@]}" --impls ${AB_IMPLS:-ffa cudnn} \
+    --cases $CASES 2>&1 |
     grep -E "^\| " | tee "$OUT/ab_${name}.md"
 done
