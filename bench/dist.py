@@ -26,6 +26,7 @@ length (mean 4096, at least 256), 64k tokens per GPU by default; bf16, 16 heads,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -48,7 +49,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
-from magi_jax import dist_attn, ffa, masks  # noqa: E402
+from magi_jax import comm, dist_attn, ffa, masks  # noqa: E402
 from magi_jax.mask import AttnMask, slice_areas  # noqa: E402
 from magi_jax.planner import make_plan  # noqa: E402
 from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
@@ -58,8 +59,26 @@ from bench.common import (append_report, attention_flops, doc_lengths, gpu_kerne
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
-# fused backward (not run by default); also magi_margin<N>: magi with sm_margin N
-EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused")
+# fused backward, magi_local: magi with no transfers (diagnostic: each rank's send buffers stand in for what it
+# would receive, so the packing, the calls and the partials' scatter-add run on data of the same shapes; its
+# output is wrong, its time is magi's without the collectives) (not run by default); also magi_margin<N>:
+# magi with sm_margin N
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused", "magi_local")
+
+
+@contextlib.contextmanager
+def transfers_for(method: str):
+    """While tracing magi_local's step: every group collective's transport is the identity (the send buffer
+    is taken as received), so its compiled program has no collective. Other methods: unchanged."""
+    if method != "magi_local":
+        yield
+        return
+    real = comm._transport
+    comm._transport = lambda bufs, tables, axis, reverse: tuple(bufs)
+    try:
+        yield
+    finally:
+        comm._transport = real
 
 
 def method_name(name: str) -> str:
@@ -263,6 +282,33 @@ def rel_diff(a, b) -> float:
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
+def _build(method: str, builder, mask, mesh: Mesh, args, q, k, v, seq_dim: int, row: dict):
+    """One method built, compiled (its first calls) and run once: (work, note, [(pass, fn)], inputs, its
+    output in global order, or None for single)."""
+    if method == "single":
+        fn, inputs, share = build_single(mask, args, mesh.shape["cp"])
+        work, note, plan = share, f"rank share {share / mask.area() * mesh.shape['cp']:.3f} x mean", None
+        row["share_area"] = share
+    else:
+        fn, plan = builder(mask, mesh, args)
+        inputs = tuple(mj.dispatch(x, plan, seq_dim=seq_dim, mesh=mesh) for x in (q, k, v))
+        work, note = mask.area() / mesh.shape["cp"], ""
+        if method.startswith("magi"):
+            s = plan.stats()
+            remote_share = s.stage_area.sum(axis=0) / np.maximum(s.area, 1)
+            note = (f"stages {plan.num_stages}, imbalance {s.imbalance:.3f}, max remote keys "
+                    f"{int(s.remote_keys.max())}, remote area share per rank "
+                    + " ".join(f"{x:.2f}" for x in remote_share))
+            row.update(stages=plan.num_stages, imbalance=float(s.imbalance),
+                       max_remote_keys=int(s.remote_keys.max()))
+    f = jax.jit(fn)
+    g = fwd_bwd(fn)
+    out = f(*inputs)[0]
+    jax.block_until_ready(g(*inputs))
+    got = None if plan is None else mj.undispatch(out, plan, seq_dim=seq_dim, mesh=mesh)
+    return work, note, [("fwd", f), ("fwd+bwd", g)], inputs, got
+
+
 def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
     """Every method on one mask. On a (dp, cp) mesh each of the dp groups attends its own batch element with
     the same mask (per-GPU work: the mask's area / cp, as on a 1-D mesh of cp). Every method is built and
@@ -286,40 +332,23 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
                 "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
                 "magi_fused": functools.partial(build_magi, overlap=0),
-                "magi_bwd_fused": functools.partial(build_magi, backward="fused")}
+                "magi_bwd_fused": functools.partial(build_magi, backward="fused"), "magi_local": build_magi}
     builders |= {m: functools.partial(build_magi, sm_margin=int(m[len("magi_margin"):]))
                  for m in args.methods if m.startswith("magi_margin")}
     timed = []   # (row, work, note, [(pass, fn)], inputs)
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n * dp, "cp": n, "dp": dp, "tokens": total, "area": area}
         try:
-            if method == "single":
-                fn, inputs, share = build_single(mask, args, n)
-                work, note = share, f"rank share {share / area * n:.3f} x mean"
-                row["share_area"] = share
-            else:
-                fn, plan = builders[method](mask, mesh, args)
-                inputs = tuple(mj.dispatch(x, plan, seq_dim=seq_dim, mesh=mesh) for x in (q, k, v))
-                work, note = area / n, ""
-                if method.startswith("magi"):
-                    s = plan.stats()
-                    remote_share = s.stage_area.sum(axis=0) / np.maximum(s.area, 1)
-                    note = (f"stages {plan.num_stages}, imbalance {s.imbalance:.3f}, max remote keys "
-                            f"{int(s.remote_keys.max())}, remote area share per rank "
-                            + " ".join(f"{x:.2f}" for x in remote_share))
-                    row.update(stages=plan.num_stages, imbalance=float(s.imbalance),
-                               max_remote_keys=int(s.remote_keys.max()))
-            f = jax.jit(fn)
-            g = fwd_bwd(fn)
-            out = f(*inputs)[0]
-            if method != "single":
-                got = mj.undispatch(out, plan, seq_dim=seq_dim, mesh=mesh)
+            # Compiled inside (the first calls); the rounds below run the executables jit has cached.
+            with transfers_for(method):
+                work, note, passes, inputs, got = _build(method, builders.get(method), mask, mesh, args, q, k, v,
+                                                         seq_dim, row)
+            if got is not None and method != "magi_local":
                 if reference is None:
                     reference = got
                 else:
                     row["rel_diff_vs_first"] = rel_diff(got, reference)
-            jax.block_until_ready(g(*inputs))
-            timed.append((row, work, note, [("fwd", f), ("fwd+bwd", g)], inputs))
+            timed.append((row, work, note, passes, inputs))
         except Exception as e:  # a failing baseline must not hide the others
             traceback.print_exc()
             results.append({**row, "pass": "error", "ms": float("nan"), "tflops_per_gpu": float("nan"),
@@ -390,7 +419,7 @@ PROFILE_STEPS = 3
 def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     """A jax.profiler trace of PROFILE_STEPS back-to-back steps (dispatched as a training loop does, one
     sync at the end) of magi's forward+backward (or forward alone: --profile-pass fwd; or the single-GPU
-    baseline: --profile-method single) on the first mask: for magi the compiled schedule (which attention
+    baseline: --profile-method single; magi without its transfers: magi_local) on the first mask: for magi the compiled schedule (which attention
     calls sit between each async transfer's start and done) and the kernel overlap measured in the trace
     (NCCL kernels running while attention kernels run); for both the last step's kernels in time order on
     each GPU, the GPU idle time between the last two steps and the host's longest events in that gap."""
@@ -411,10 +440,12 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
         what = f"backward {args.profile_backward or 'default'}, {mp!r}"
     g = fwd_bwd(fn) if args.profile_pass == "fwd+bwd" else jax.jit(fn)
     print(f"\nprofile: {args.masks[0]}, {args.profile_method}, {args.profile_pass}, {what}")
-    if args.profile_method == "magi":
-        text = g.lower(q, k, v).compile().as_text()
+    with transfers_for(args.profile_method):   # traced and compiled here; the steps below reuse it
+        text = g.lower(q, k, v).compile().as_text() if args.profile_method != "single" else ""
+        jax.block_until_ready(g(q, k, v))
+    if text:
         (log_dir / "hlo").mkdir(parents=True, exist_ok=True)
-        (log_dir / "hlo" / f"magi_{args.profile_pass.replace('+', '_')}.txt").write_text(text)
+        (log_dir / "hlo" / f"{args.profile_method}_{args.profile_pass.replace('+', '_')}.txt").write_text(text)
         deps = collective_dependencies(text)
         waiting = {c: d for c, d in deps.items() if d}
         print(f"collectives: {len(deps)}, of which {len(waiting)} wait for an attention call (group_reduce: "
@@ -426,7 +457,7 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
               f"{sum(bool(w['ffa_between']) for w in windows)}")
         for w in windows:
             print(f"  {w['start']} .. {w['done']}: {w['ffa_between']}")
-    for _ in range(3):
+    for _ in range(2):
         jax.block_until_ready(g(q, k, v))
     with jax.profiler.trace(str(log_dir), create_perfetto_trace=True):
         jax.block_until_ready([g(q, k, v) for _ in range(PROFILE_STEPS)])
@@ -525,8 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-only", action="store_true")
     ap.add_argument("--profile-backward", default=None, choices=dist_attn.BACKWARDS,
                     help="the backward of the profiled magi step (default: calc_attn's)")
-    ap.add_argument("--profile-method", default="magi", choices=["magi", "single"],
-                    help="profile magi's step or the single-GPU baseline's")
+    ap.add_argument("--profile-method", default="magi", choices=["magi", "magi_local", "single"],
+                    help="profile magi's step, magi's without its transfers (magi_local) or the single-GPU "
+                         "baseline's")
     ap.add_argument("--profile-pass", default="fwd+bwd", choices=["fwd", "fwd+bwd"],
                     help="profile magi's forward+backward step or its forward alone")
     args = ap.parse_args(argv)

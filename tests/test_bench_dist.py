@@ -20,17 +20,37 @@ def toy(gpus: int = 2) -> list[str]:
 
 def test_methods_run_and_agree(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
-    methods = ["magi", "magi_bwd_fused", "magi_margin4", "allgather", "ring", "single"]
+    methods = ["magi", "magi_bwd_fused", "magi_margin4", "allgather", "ring", "single", "magi_local"]
     assert dist.main(toy() + ["--methods", *methods]) == 0
     results = json.loads((tmp_path / "dist_bench.json").read_text())
     assert {(r["method"], r["pass"]) for r in results} == {(m, p) for m in methods for p in ("fwd", "fwd+bwd")}
     for r in results:
         assert r["ms"] > 0 and r["tflops_per_gpu"] > 0, r
         assert len(r["ms_rounds"]) == 2 and min(r["ms_rounds"]) <= r["ms"] <= max(r["ms_rounds"]), r
-        if r["method"] not in ("magi", "single"):  # the dispatched output against magi's, in float32
+        if r["method"] not in ("magi", "single", "magi_local"):  # dispatched output against magi's, float32
             assert r["rel_diff_vs_first"] < 1e-5, r
     table = capsys.readouterr().out
     assert "| varlen_causal | fwd+bwd |" in table and "magi / single" in table
+
+
+def test_magi_local_compiles_without_collectives():
+    # the diagnostic method: its traced step has no collective, magi's has; the transport is restored after
+    import jax
+    import magi_jax as mj
+    from magi_jax import comm
+    mesh = jax.make_mesh((2,), ("cp",), devices=jax.devices("cpu")[:2], axis_types=(jax.sharding.AxisType.Auto,))
+    mask = dist.make_mask("varlen_causal", 2048)
+    mp = mj.plan(mask, mesh, num_heads_q=2, num_heads_kv=2, head_dim=64)
+    assert mp.num_stages >= 1
+    x = jax.numpy.zeros((mp.padded_seqlen, 2, 64), jax.numpy.float32)
+    step = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp))
+    with_transfers = step.lower(x, x, x).as_text()
+    real = comm._transport
+    with dist.transfers_for("magi_local"):
+        local = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp)).lower(x, x, x).as_text()
+    assert comm._transport is real
+    assert ("all_to_all" in with_transfers or "collective_permute" in with_transfers)
+    assert "all_to_all" not in local and "collective_permute" not in local
 
 
 def test_data_parallel_groups(tmp_path, monkeypatch):
@@ -50,11 +70,11 @@ def test_unknown_method_is_named(capsys):
     assert "unknown method 'magi_margin'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["magi", "single"])
+@pytest.mark.parametrize("method", ["magi", "magi_local", "single"])
 def test_profile_runs_on_host_devices(tmp_path, method, capsys):
     # On CPUs the trace has no GPU events: the schedule's report (magi) and the profile's header still print.
     assert dist.main(toy() + ["--profile", str(tmp_path), "--profile-only", "--profile-method", method]) == 0
     out = capsys.readouterr().out
     assert f"profile: varlen_causal, {method}, fwd+bwd" in out
-    if method == "magi":
+    if method != "single":
         assert "collectives:" in out and "async collectives in the schedule" in out
