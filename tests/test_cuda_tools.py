@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda" / "tools"))
 from sass_samples import instruction_class, summary  # noqa: E402
 from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
-from tile_waste import computed_cells, unmasked_cells  # noqa: E402
+from tile_waste import computed_cells  # noqa: E402
 
 from magi_jax import masks  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
@@ -66,11 +66,11 @@ def test_tile_waste_counts_the_walks_cells():
     # Causal 128 x 128: one q block, one key tile. The block computes all 128 x 128 cells; by halves, rows
     # 0-63 need keys 0-63 only (one half) and rows 64-127 keys 0-127 (two).
     causal = AttnMask([[0, 128]], [[0, 128]], ["causal"], 128, 128)
-    assert unmasked_cells(causal) == 128 * 129 // 2
+    assert causal.area() == 128 * 129 // 2
     assert computed_cells(causal, 128, halves=False, union=False) == 128 * 128
     assert computed_cells(causal, 64, halves=True, union=False) == 64 * 64 + 64 * 128
     # Two slices with disjoint rows of one block and the same keys: walked twice, or once as their union.
     two = AttnMask([[0, 64], [64, 128]], [[0, 128], [0, 128]], ["full", "full"], 128, 128)
-    assert unmasked_cells(two) == 128 * 128
+    assert two.area() == 128 * 128
     assert computed_cells(two, 128, halves=False, union=False) == 2 * 128 * 128
     assert computed_cells(two, 128, halves=False, union=True) == 128 * 128

@@ -30,15 +30,6 @@ from sched_sim import key_span  # noqa: E402  (its folder is on sys.path: run as
 BLOCK_M, BLOCK_N, WG_M = 128, 128, 64
 
 
-def unmasked_cells(mask: AttnMask) -> int:
-    total = 0
-    for q, k, t in zip(mask.q_ranges, mask.k_ranges, mask.types):
-        for r in range(q[0], q[1]):
-            lo, hi = key_span(q, k, t, r, r + 1)
-            total += max(0, hi - lo)
-    return total
-
-
 def computed_cells(mask: AttnMask, rows: int, halves: bool, union: bool) -> int:
     """Cells computed when units of `rows` rows walk key units (64-key halves at the span's ends if `halves`,
     else 128-key tiles), per slice or over the union of the slices' units per row unit."""
@@ -66,7 +57,7 @@ def main() -> int:
     for case in make_cases():
         if wanted and case.name not in wanted:
             continue
-        area = unmasked_cells(case.mask)
+        area = case.mask.area()
         ratios = [computed_cells(case.mask, rows, halves, union) / area for rows, halves, union in
                   ((BLOCK_M, False, False), (WG_M, False, False), (WG_M, True, False), (BLOCK_M, False, True),
                    (WG_M, True, True))]
