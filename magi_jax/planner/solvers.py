@@ -340,9 +340,9 @@ def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: flo
     areas = table.areas.astype(np.float64)
     model = _RemoteModel(table)
     best, best_cost = None, None
-    for fraction in CAP_LADDER:
-        parts = _comm_aware_at(table, cp, cell_cost, key_cost, 1.0 + fraction * slack, min_gain, max_moves,
-                               ranks_tried, candidates_checked)
+    for cap in dict.fromkeys(1.0 + fraction * slack for fraction in CAP_LADDER):   # no slack: one search
+        parts = _comm_aware_at(table, cp, cell_cost, key_cost, cap, min_gain, max_moves, ranks_tried,
+                               candidates_checked)
         load = np.array([areas[p].sum() for p in parts])
         rem = np.array([model.remote(p) for p in parts])
         over = max(0.0, load.max() - area_cap(areas, cp, imbalance_cap))
