@@ -287,12 +287,12 @@ def _build(method: str, builder, mask, mesh: Mesh, args, q, k, v, seq_dim: int, 
     output in global order, or None for single)."""
     if method == "single":
         fn, inputs, share = build_single(mask, args, mesh.shape["cp"])
-        work, note, plan = share, f"rank share {share / mask.area() * mesh.shape['cp']:.3f} x mean", None
+        work, note, plan = share, f"rank share {share / row['area'] * mesh.shape['cp']:.3f} x mean", None
         row["share_area"] = share
     else:
         fn, plan = builder(mask, mesh, args)
         inputs = tuple(mj.dispatch(x, plan, seq_dim=seq_dim, mesh=mesh) for x in (q, k, v))
-        work, note = mask.area() / mesh.shape["cp"], ""
+        work, note = row["area"] / mesh.shape["cp"], ""
         if method.startswith("magi"):
             s = plan.stats()
             remote_share = s.stage_area.sum(axis=0) / np.maximum(s.area, 1)
