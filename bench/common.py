@@ -3,6 +3,7 @@ markdown table appended to BENCHMARKS.md with date, machine, versions and comman
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gzip
 import json
@@ -51,6 +52,14 @@ def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7, calls: i
 def attention_flops(area: int, heads_q: int, head_dim: int, backward: bool = False) -> float:
     """DESIGN.md section 5: forward 4 * area * Hq * D, forward+backward 3.5x that."""
     return 4.0 * area * heads_q * head_dim * (3.5 if backward else 1.0)
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts such as --rounds: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def ratio_text(x: float) -> str:

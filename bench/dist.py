@@ -55,7 +55,7 @@ from magi_jax.planner import make_plan  # noqa: E402
 from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
 from bench.common import (append_report, attention_flops, doc_lengths, gpu_kernel_events,  # noqa: E402
                           host_events, kernel_totals, last_step, markdown_table, median_seconds,
-                          newest_perfetto_trace, ratio_text)
+                          newest_perfetto_trace, positive_int, ratio_text)
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
@@ -547,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds over all methods; each method's median is kept")
+    ap.add_argument("--rounds", type=positive_int, default=3,
+                    help="rounds over all methods; each method's median is kept")
     ap.add_argument("--calls", type=int, default=10,
                     help="back-to-back calls per timed sample, as a training loop dispatches its steps (1: each "
                          "call also pays one multi-GPU dispatch-and-sync latency)")

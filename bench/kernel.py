@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(ROOT))  # run as a script: make the repository's bench package importable
-from bench.common import doc_lengths, median_seconds, ratio_text  # noqa: E402
+from bench.common import doc_lengths, median_seconds, positive_int, ratio_text  # noqa: E402
 
 
 def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
@@ -383,7 +383,7 @@ def main() -> None:
                              "ffa_bwd_grid the backward's CTAs in grid order, ffa_bwd_even its consumer "
                              "warpgroups starting together")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over the implementations per case")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds over the implementations per case")
     args = parser.parse_args()
     device = jax.devices()[0]
     print(f"{device.device_kind}; {versions()}", flush=True)

@@ -62,3 +62,11 @@ def test_last_step_finds_idle_gaps():
                                                                   (8.0, "nccl", 0.0)]
     assert (span, idle) == (13.0, 2.0)
     assert last_step([], steps=3) == ([], 0.0, 0.0)
+
+
+def test_positive_int_names_the_bound():
+    import argparse
+    import pytest
+    assert bench.common.positive_int("3") == 3
+    with pytest.raises(argparse.ArgumentTypeError, match="must be >= 1, got 0"):
+        bench.common.positive_int("0")

@@ -70,6 +70,13 @@ def test_unknown_method_is_named(capsys):
     assert "unknown method 'magi_margin'" in capsys.readouterr().err
 
 
+def test_rounds_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        dist.main(toy() + ["--rounds", "0"])
+    err = capsys.readouterr().err
+    assert "--rounds" in err and "must be >= 1, got 0" in err
+
+
 @pytest.mark.parametrize("method", ["magi", "magi_local", "single"])
 def test_profile_runs_on_host_devices(tmp_path, method, capsys):
     # On CPUs the trace has no GPU events: the schedule's report (magi) and the profile's header still print.
