@@ -172,14 +172,14 @@ class _SwapSearch:
     """
 
     def __init__(self, table: ChunkTable, cp: int, cell_cost: float, key_cost: float,
-                 imbalance_cap: float, start: Partition, min_gain: float = 0.0):
+                 cap: float, start: Partition, min_gain: float = 0.0):
         n = table.num_chunks
         self.n, self.cp, self.per = n, cp, _check(n, cp)
         self.areas = table.areas.astype(np.float64)
         self.model = model = _RemoteModel(table)
         self.not_self = model.kc != model.row
         self.cell_cost, self.key_cost = cell_cost, key_cost
-        self.cap = area_cap(self.areas, cp, imbalance_cap)   # reachable, so no rank stalls the search
+        self.cap = cap   # the largest area a rank may get
         # One cell over the cap costs more than any time the search can save.
         self.penalty = 2.0 * (cell_cost * self.areas.sum() + key_cost * n * table.chunk_size) + 1.0
         # Areas and keys are integers: a real improvement is far above this, float noise far below.
@@ -315,8 +315,8 @@ class _SwapSearch:
 
 
 def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: float = 1800.0,
-               imbalance_cap: float = 1.02, min_gain: float = 0.005, max_moves: int | None = None,
-               ranks_tried: int = 4, candidates_checked: int = 8) -> Partition:
+               imbalance_cap: float = 1.02, min_gain: float = 0.005, polish_gain: float = 0.001,
+               max_moves: int | None = None, ranks_tried: int = 4, candidates_checked: int = 8) -> Partition:
     """Minimise the slowest rank's ``cell_cost*area + key_cost*remote`` under ``max area <= cap * mean``.
 
     Start: ``affinity_greedy``, or contiguous or zigzag if under the cap and cheaper. Then a swap local search:
@@ -335,6 +335,13 @@ def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: flo
     H200s 20.98 -> 20.74 ms, BENCHMARKS.md 2026-11-30 16:28). So it also runs under tighter caps
     (``CAP_LADDER``) and keeps the cheapest partition. Heavier key costs were tried as further starts: the
     model then picked less balanced partitions, which measured slower than it predicts.
+
+    Last, a polish: the search again from that partition with the smaller ``polish_gain`` and its own
+    largest area as the cap, so it only takes swaps that fetch less without unbalancing more. The ladder's
+    searches stop early (``min_gain``) because, run to the end under a loose cap, they trade balance for
+    keys, which measured slower (varlen block-causal, 2 H200s: imbalance 1.0022 -> 1.0080 for 10% fewer
+    keys, +0.5%); under its own cap the polish found, for varlen causal 128k on 2 ranks, imbalance 1.0022 ->
+    1.0007 and 12662 -> 11946 keys: forward+backward -1.1% (BENCHMARKS.md 2026-11-30 18:20).
     """
     slack = max(imbalance_cap - 1.0, 0.0)
     areas = table.areas.astype(np.float64)
@@ -349,7 +356,9 @@ def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: flo
         cost = (over, float((cell_cost * load + key_cost * rem).max()))
         if best is None or cost < best_cost:
             best, best_cost = parts, cost
-    return best
+    largest = max(areas[p].sum() for p in best)
+    polish = _SwapSearch(table, cp, cell_cost, key_cost, largest, best, polish_gain)
+    return polish.run(40 * table.num_chunks if max_moves is None else max_moves, ranks_tried, candidates_checked)
 
 
 # The caps comm_aware searches under, as fractions of the imbalance cap's slack (1: the cap itself).
@@ -377,7 +386,7 @@ def _comm_aware_at(table: ChunkTable, cp: int, cell_cost: float, key_cost: float
         costs.append(float((cell_cost * load + key_cost * rem).max()))
         fits.append(bool(load.max() <= cap))
     pick = min((i for i in range(len(starts)) if fits[i]), key=lambda i: costs[i], default=0)
-    search = _SwapSearch(table, cp, cell_cost, key_cost, imbalance_cap, starts[pick], min_gain)
+    search = _SwapSearch(table, cp, cell_cost, key_cost, cap, starts[pick], min_gain)
     return search.run(40 * n if max_moves is None else max_moves, ranks_tried, candidates_checked)
 
 
