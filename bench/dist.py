@@ -63,7 +63,11 @@ METHODS = ("magi", "allgather", "ring", "single")
 # would receive, so the packing, the calls and the partials' scatter-add run on data of the same shapes; its
 # output is wrong, its time is magi's without the collectives) (not run by default); also magi_margin<N>:
 # magi with sm_margin N
-EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused", "magi_local")
+# allgather_minheap and ring_minheap: the baselines on an area-balanced dispatch (the min-heap solver) instead of
+# zigzag over fixed chunks, which leaves documents' areas unbalanced (varlen causal 128k on 2 ranks: 1.41x the
+# mean on one rank); what per-document zigzag (Transformer Engine's THD layout) achieves in balance.
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused", "magi_local", "allgather_minheap",
+                 "ring_minheap")
 
 
 @contextlib.contextmanager
@@ -168,8 +172,9 @@ def build_magi(mask, mesh, args, transport=None, overlap=None, backward=None, sm
     return (lambda q, k, v: mj.calc_attn(q, k, v, mp, **options)), mp
 
 
-def _zigzag(mask, mesh, args) -> DistAttnPlan:
-    return make_plan(mask, mesh.shape["cp"], solver="zigzag", overlap=0, num_heads_q=args.heads,
+def _baseline_plan(mask, mesh, args, solver: str) -> DistAttnPlan:
+    """The baselines' dispatch: ``solver``'s chunks, everything fetched in one stage (overlap 0)."""
+    return make_plan(mask, mesh.shape["cp"], solver=solver, overlap=0, num_heads_q=args.heads,
                      num_heads_kv=args.kv_heads, head_dim=args.head_dim)
 
 
@@ -185,8 +190,8 @@ def seq_shard_map(body, mesh: Mesh):
     return jax.shard_map(batched, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec), check_vma=False)
 
 
-def build_allgather(mask, mesh, args):
-    plan = _zigzag(mask, mesh, args)
+def build_allgather(mask, mesh, args, solver: str = "zigzag"):
+    plan = _baseline_plan(mask, mesh, args, solver)
     cp, L = plan.cp, plan.local_len
     src = source_slices(plan)
     tables = stack_slices([
@@ -220,8 +225,8 @@ def lse_merge(parts, dtype):
     return out.astype(dtype), lse
 
 
-def build_ring(mask, mesh, args):
-    plan = _zigzag(mask, mesh, args)
+def build_ring(mask, mesh, args, solver: str = "zigzag"):
+    plan = _baseline_plan(mask, mesh, args, solver)
     cp = plan.cp
     src = source_slices(plan)
     # Step j: rank r holds the kv of rank (r - j) % cp.
@@ -301,6 +306,8 @@ def _build(method: str, builder, mask, mesh: Mesh, args, q, k, v, seq_dim: int, 
                     + " ".join(f"{x:.2f}" for x in remote_share))
             row.update(stages=plan.num_stages, imbalance=float(s.imbalance),
                        max_remote_keys=int(s.remote_keys.max()))
+        else:
+            note = f"dispatch {plan.solver}, imbalance {plan.stats().imbalance:.3f}"
     f = jax.jit(fn)
     g = fwd_bwd(fn)
     out = f(*inputs)[0]
@@ -332,7 +339,9 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
                 "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
                 "magi_fused": functools.partial(build_magi, overlap=0),
-                "magi_bwd_fused": functools.partial(build_magi, backward="fused"), "magi_local": build_magi}
+                "magi_bwd_fused": functools.partial(build_magi, backward="fused"), "magi_local": build_magi,
+                "allgather_minheap": functools.partial(build_allgather, solver="minheap"),
+                "ring_minheap": functools.partial(build_ring, solver="minheap")}
     builders |= {m: functools.partial(build_magi, sm_margin=int(m[len("magi_margin"):]))
                  for m in args.methods if m.startswith("magi_margin")}
     timed = []   # (row, work, note, [(pass, fn)], inputs)

@@ -20,7 +20,8 @@ def toy(gpus: int = 2) -> list[str]:
 
 def test_methods_run_and_agree(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
-    methods = ["magi", "magi_bwd_fused", "magi_margin4", "allgather", "ring", "single", "magi_local"]
+    methods = ["magi", "magi_bwd_fused", "magi_margin4", "allgather", "ring", "single", "magi_local",
+               "allgather_minheap", "ring_minheap"]
     assert dist.main(toy() + ["--methods", *methods]) == 0
     results = json.loads((tmp_path / "dist_bench.json").read_text())
     assert {(r["method"], r["pass"]) for r in results} == {(m, p) for m in methods for p in ("fwd", "fwd+bwd")}
