@@ -81,6 +81,22 @@ def test_comm_aware_polish_fetches_less_without_unbalancing():
     assert (before[2], after[2]) == (10240, 6177)
 
 
+@pytest.mark.parametrize("cp, seed", [(2, 0), (4, 1), (8, 2), (8, 4)])
+def test_comm_aware_polish_never_unbalances(cp, seed):
+    # the polish starts from the ladder's best and is capped at its largest area: neither that area nor the
+    # objective can rise
+    mask = varlen_mask(sample_doc_lengths(cp * 8192, seed))
+    table = chunk_table(mask, 512, cp * 16)
+
+    def measure(parts):
+        loads = np.array([table.areas[p].sum() for p in parts])
+        return (loads + 1800.0 * predicted_remote(table, parts)).max(), loads.max()
+
+    before = min(measure(_comm_aware_at(table, cp, 1.0, 1800.0, 1 + 0.02 * f, 0.005, None, 4, 8)) for f in CAP_LADDER)
+    after = measure(comm_aware(table, cp))
+    assert after[0] <= before[0] and after[1] <= before[1]
+
+
 def test_comm_aware_keeps_a_balanced_contiguous_split():
     # uniform work (sliding-window-like): contiguous is balanced and fetches least; it must survive
     from magi_jax.mask import AttnMask
