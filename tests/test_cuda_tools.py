@@ -74,3 +74,7 @@ def test_tile_waste_counts_the_walks_cells():
     assert two.area() == 128 * 128
     assert computed_cells(two, 128, halves=False, union=False) == 2 * 128 * 128
     assert computed_cells(two, 128, halves=False, union=True) == 128 * 128
+    # Keys 64-192: the walk's one tile starts at the span (128 keys); the union's aligned grid needs two.
+    shifted = AttnMask([[0, 128]], [[64, 192]], ["full"], 128, 192)
+    assert computed_cells(shifted, 128, halves=False, union=False) == 128 * 128
+    assert computed_cells(shifted, 128, halves=False, union=True) == 2 * 128 * 128

@@ -1,15 +1,17 @@
 """Host model of the sm90 forward's computed cells against the unmasked area (no GPU needed): how much of the
 work the tiling itself wastes on the bench cases' masks, and how much finer walks would save.
 
-The forward computes, per q block of 128 rows and per slice of its list, every 128-key tile of the slice's
-key span over the block's rows (scheduler_sm90.h FwdStep), for both consumer warpgroups (64 rows each).
-Variants, each as computed cells / unmasked cells:
+The forward computes, per q block of 128 rows and per slice of its list, the 128-key tiles of the slice's
+key span over the block's rows, counted from the span's first key (scheduler_sm90.h FwdStep: c0 = the span's
+start, then + 128), for both consumer warpgroups (64 rows each). Variants, each as computed cells / unmasked
+cells:
   now          that walk;
-  wg_tiles     each warpgroup walks the 128-key tiles of its own 64 rows (skips whole tiles it does not need);
-  wg_halves    each warpgroup walks 64-key halves at its span's ends (a half step: S with N = 64, PV over
-               64 keys) and whole tiles between;
+  wg_tiles     each warpgroup walks the block's tiles that its own 64 rows need (skips the others);
+  wg_halves    each warpgroup walks the block's tiles in 64-key halves where its span ends inside one (a
+               half step: S with N = 64, PV over 64 keys);
   union        one walk per q block over the union of its slices' key tiles (slices with disjoint rows in
-               the same block, such as a document's causal head and its band, share their key tiles);
+               the same block, such as a document's causal head and its band, share their key tiles); a
+               shared walk needs a shared grid, so its tiles are aligned to multiples of 128 keys;
   union_halves both of the last two.
 
     python cuda/tools/tile_waste.py [case ...]      # default: every case of bench/kernel.py
@@ -31,23 +33,29 @@ BLOCK_M, BLOCK_N, WG_M = 128, 128, 64
 
 
 def computed_cells(mask: AttnMask, rows: int, halves: bool, union: bool) -> int:
-    """Cells computed when units of `rows` rows walk key units (64-key halves at the span's ends if `halves`,
-    else 128-key tiles), per slice or over the union of the slices' units per row unit."""
-    units: dict[int, set[int]] = {}
+    """Cells computed when units of `rows` rows (BLOCK_M: the block; WG_M: each warpgroup) walk key units
+    (64-key halves if `halves`, else whole 128-key tiles) of their q block's walk: per slice on the grid
+    that starts at the block's key span, or (`union`) over the union of the slices' units on the aligned
+    grid."""
+    units: dict[tuple[int, int], set[int]] = {}
     cells = 0
     for q, k, t in zip(mask.q_ranges, mask.k_ranges, mask.types):
-        for b in range(q[0] // rows, -(-q[1] // rows)):
-            lo, hi = key_span(q, k, t, max(q[0], b * rows), min(q[1], (b + 1) * rows))
+        for b in range(q[0] // BLOCK_M, -(-q[1] // BLOCK_M)):
+            lo, hi = key_span(q, k, t, max(q[0], b * BLOCK_M), min(q[1], (b + 1) * BLOCK_M))
             if hi <= lo:
                 continue
-            if halves:  # 64-key units: whole tiles inside the span are two of them
-                span = set(range(lo // 64, -(-hi // 64)))
-            else:
-                span = {2 * j + h for j in range(lo // BLOCK_N, -(-hi // BLOCK_N)) for h in (0, 1)}
-            if union:
-                units.setdefault(b, set()).update(span)
-            else:
-                cells += len(span) * 64 * rows
+            origin = 0 if union else lo
+            for r in range(b * BLOCK_M, (b + 1) * BLOCK_M, rows):
+                wlo, whi = key_span(q, k, t, max(q[0], r), min(q[1], r + rows))
+                if whi <= wlo:
+                    continue
+                first, last = (wlo - origin) // 64, -(-(whi - origin) // 64)   # 64-key units from the origin
+                if not halves:   # whole tiles: widen to the tile grid (pairs of units)
+                    first, last = first - first % 2, last + last % 2
+                if union:
+                    units.setdefault((b, r), set()).update(range(first, last))
+                else:
+                    cells += (last - first) * 64 * rows
     return cells + sum(len(s) for s in units.values()) * 64 * rows
 
 
