@@ -59,16 +59,15 @@ from bench.common import (append_report, attention_flops, doc_lengths, gpu_kerne
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
-# fused backward, magi_fwd_merged: magi's forward with every q block in the host call and each stage's part
-# merged in (calc_attn's forward="merged"), magi_local: magi with no transfers (diagnostic: each rank's send
-# buffers stand in for what it would receive, so the packing, the calls and the partials' scatter-add run on
-# data of the same shapes; its output is wrong, its time is magi's without the collectives) (not run by
-# default); also magi_margin<N>: magi with sm_margin N
+# fused backward, magi_local: magi with no transfers (diagnostic: each rank's send buffers stand in for what it
+# would receive, so the packing, the calls and the partials' scatter-add run on data of the same shapes; its
+# output is wrong, its time is magi's without the collectives) (not run by default); also magi_margin<N>:
+# magi with sm_margin N
 # allgather_minheap and ring_minheap: the baselines on an area-balanced dispatch (the min-heap solver) instead of
 # zigzag over fixed chunks, which leaves documents' areas unbalanced (varlen causal 128k on 2 ranks: 1.41x the
 # mean on one rank); what per-document zigzag (Transformer Engine's THD layout) achieves in balance.
-EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused", "magi_fwd_merged", "magi_local",
-                 "allgather_minheap", "ring_minheap")
+EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused", "magi_local", "allgather_minheap",
+                 "ring_minheap")
 
 
 @contextlib.contextmanager
@@ -163,14 +162,13 @@ def _ffa(q, k, v, rows, scale):
     return ffa._ffa(q, k, v, *rows, scale, 0.0, False, 0)
 
 
-def build_magi(mask, mesh, args, transport=None, overlap=None, backward=None, sm_margin=None, forward=None):
+def build_magi(mask, mesh, args, transport=None, overlap=None, backward=None, sm_margin=None):
     overlap = (args.overlap if args.overlap == "auto" else int(args.overlap)) if overlap is None else overlap
     mp = mj.plan(mask, mesh, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
                  overlap=overlap)
     transport = transport or args.transport
     sm_margin = args.sm_margin if sm_margin is None else sm_margin
     options = dict(transport=transport, sm_margin=sm_margin) | ({} if backward is None else dict(backward=backward))
-    options |= {} if forward is None else dict(forward=forward)
     return (lambda q, k, v: mj.calc_attn(q, k, v, mp, **options)), mp
 
 
@@ -341,8 +339,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
                 "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
                 "magi_fused": functools.partial(build_magi, overlap=0),
-                "magi_bwd_fused": functools.partial(build_magi, backward="fused"),
-                "magi_fwd_merged": functools.partial(build_magi, forward="merged"), "magi_local": build_magi,
+                "magi_bwd_fused": functools.partial(build_magi, backward="fused"), "magi_local": build_magi,
                 "allgather_minheap": functools.partial(build_allgather, solver="minheap"),
                 "ring_minheap": functools.partial(build_ring, solver="minheap")}
     builders |= {m: functools.partial(build_magi, sm_margin=int(m[len("magi_margin"):]))

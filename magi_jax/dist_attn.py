@@ -10,12 +10,10 @@ Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan wi
 
     forward   group_cast(stage i keys) for every i      -- depend on the local k, v only; K and V of a key
                                                            side by side in one buffer: one collective
-              FFA(local q, local kv, host slices of the rows without remote keys) -> (out, lse)
+              FFA(local q, local kv, host slices) -> (out, lse)
               FFA(local q, stage i receive buffer, stage i slices, prev=(out, lse)) -> (out, lse)
                   -- each stage's part lse-merged into the result so far by the kernel, in place; the
-                     receive buffer read as is (K and V packed); for the last stage, the call also
-                     takes the local kv (a second key source) and the host slices of the rows with remote
-                     keys: those q blocks run once, not in two calls (planner/calls.py)
+                     receive buffer read as is (K and V packed)
     backward  group_cast(stage i keys) again             -- re-fetched: residuals are q, k, v, out, lse only
               delta = rowsum(out * dout)                  -- once, shared by every call
               FFA bwd(local q, stage i receive buffer, stage i slices) -> dq (float32, chained), dkv_i
@@ -47,7 +45,6 @@ from magi_jax._ffi import match_varying
 from magi_jax.comm import (TRANSPORTS, CastTables, accumulate_partials, cast_tables, group_cast,
                            return_partials)
 from magi_jax.mask import AttnMask
-from magi_jax.planner.calls import split_host
 from magi_jax.planner.plan import DistAttnPlan, make_plan
 from magi_jax.planner.slices import pad_slices
 
@@ -283,10 +280,6 @@ class RunTables:
     host: tuple[np.ndarray, np.ndarray, np.ndarray]
     stages: tuple[StageRun, ...]
     fused: tuple[np.ndarray, np.ndarray, np.ndarray] | None
-    # forward="joined": the forward's host call over the q blocks without remote keys, and its last call's
-    # slices, keys indexing concat(local kv, last stage's receive buffer) (None without stages).
-    fwd_host: tuple[np.ndarray, np.ndarray, np.ndarray]
-    fwd_last: tuple[np.ndarray, np.ndarray, np.ndarray] | None
 
 
 @functools.lru_cache(maxsize=64)
@@ -298,18 +291,13 @@ def run_tables(p: DistAttnPlan, transport: str = "auto") -> RunTables:
         tables = cast_tables(st.transfers, transport)
         k = tables.remap_keys(st.slices.k_ranges)
         stages.append(StageRun(tables, (st.slices.q_ranges, k, st.slices.types)))
-    fused = fwd_last = None
-    fwd_host = host
+    fused = None
     if stages:
         offsets = np.cumsum([p.local_len] + [st.tables.buffer_len for st in stages])
         fused = _concat_slices([host] + [st.slices for st in stages], [0, *offsets[:-1]])
-        kept, moved = split_host(p)
-        fwd_host = (kept.q_ranges, kept.k_ranges, kept.types)
-        fwd_last = _concat_slices([(moved.q_ranges, moved.k_ranges, moved.types), stages[-1].slices],
-                                  [0, p.local_len])
-        for a in (*fused, *fwd_host, *fwd_last):
+        for a in fused:
             a.setflags(write=False)
-    return RunTables(host, tuple(stages), fused, fwd_host, fwd_last)
+    return RunTables(host, tuple(stages), fused)
 
 
 def _concat_slices(sets, key_offsets):
@@ -335,7 +323,6 @@ class _Config:
     wire_dtype: str | None
     backward: str
     sm_margin: int
-    forward: str
 
     @property
     def tables(self) -> RunTables:
@@ -350,12 +337,12 @@ def _rows(slices, r):
     return tuple(jnp.asarray(a)[r] for a in slices)
 
 
-def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False, prev=None, kv2=None):
+def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False, prev=None):
     """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs.
     prev: the (out, lse) of the calls before, merged in by the kernel. v None: k is a receive buffer, K and V
-    packed [n, 2, Hkv, D]. kv2: a receive buffer as a second key source (keys concat(k, kv2))."""
+    packed [n, 2, Hkv, D]."""
     return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap,
-                         cfg.sm_margin if beside_transfer else 0, prev, k2=kv2)
+                         cfg.sm_margin if beside_transfer else 0, prev)
 
 
 def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, kv2=None, **dq_chain):
@@ -378,14 +365,9 @@ def _forward(q, k, v, cfg: _Config):
         return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
     # The host call runs under the transfers; stage i's under those of the stages after it. Each stage call
     # merges its part into the out and lse so far, in place (no merge pass over all parts after them).
-    # joined: the host call leaves the q blocks with remote keys to the last call, which reads the local
-    # keys too.
     last = len(recv) - 1
-    joined = cfg.forward == "joined" and recv
-    out = _fwd_call(cfg, q, k, v, tabs.fwd_host if joined else tabs.host, r, beside_transfer=bool(recv))
+    out = _fwd_call(cfg, q, k, v, tabs.host, r, beside_transfer=bool(recv))
     for i, (st, kv) in enumerate(zip(tabs.stages, recv)):
-        if joined and i == last:
-            return _fwd_call(cfg, q, k, v, tabs.fwd_last, r, prev=out, kv2=kv)
         out = _fwd_call(cfg, q, kv, None, st.slices, r, beside_transfer=i < last, prev=out)
     return out
 
@@ -481,10 +463,6 @@ _attn.defvjp(_attn_fwd, _backward)
 
 
 BACKWARDS = ("staged", "fused")
-# joined: the forward's last call also computes the q blocks with remote keys over the local keys (two key
-# sources), so that no q block runs in two calls; merged: the host call takes every host slice and each
-# stage's call merges its part in (what a kernel without a second key source can do).
-FORWARDS = ("joined", "merged")
 # SMs the forward calls beside a group_cast leave out of their persistent grid. 0: the collective's kernel,
 # launched first, holds its SMs while it runs and the forward's CTAs there join when it ends, taking the next
 # tile in line; on 2 H200s 0.7% faster forward+backward than 8 and 0.3% than 4 (BENCHMARKS.md 2026-11-30 10:25).
@@ -492,25 +470,23 @@ SM_MARGIN = 0
 
 
 def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype,
-            backward, sm_margin, forward) -> _Config:
+            backward, sm_margin) -> _Config:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     if backward not in BACKWARDS:
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
-    if forward not in FORWARDS:
-        raise ValueError(f"forward: expected one of {FORWARDS}, got {forward!r}")
     if not softcap >= 0.0:
         raise ValueError(f"softcap: must be >= 0, got {softcap}")
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
     return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire, backward,
-                   ffa.check_sm_margin(sm_margin), forward)
+                   ffa.check_sm_margin(sm_margin))
 
 
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
                     transport: str = "auto", reduce_wire_dtype=None, backward: str = "staged",
-                    sm_margin: int = SM_MARGIN, forward: str = "joined"
+                    sm_margin: int = SM_MARGIN
                     ) -> tuple[jax.Array, jax.Array]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
 
@@ -524,11 +500,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     over the local and all fetched keys, then the partials travel back, not overlapped; 1-2% slower
     forward+backward on 2 H200s, BENCHMARKS.md 2026-11-30 08:23); ``sm_margin``: SMs that the forward calls
     running beside a group_cast leave free for it (flex_flash_attn's sm_margin; default 0: the collective,
-    launched first, keeps its SMs and the call's CTAs there join later); ``forward``: "joined" (default:
-    the last call computes the rows with remote keys whole, over the local keys and the last receive buffer
-    as two key sources, while the host call, beside the transfer, takes the other rows; planner/calls.py
-    keeps the host call at least as long as the predicted transfer) or "merged" (the host call over every
-    row, each stage's part merged in by its call); the rest as flex_flash_attn.
+    launched first, keeps its SMs and the call's CTAs there join later); the rest as flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -540,7 +512,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
         raise ValueError(f"q, k, v: batch dims differ: {q.shape}, {k.shape}, {v.shape}")
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
-                  backward, sm_margin, forward)
+                  backward, sm_margin)
     if q.ndim == 3:
         return _attn(q, k, v, cfg)
     outs = [_attn(q[b], k[b], v[b], cfg) for b in range(q.shape[0])]
@@ -557,7 +529,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
     replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype, backward, sm_margin, forward). Under jax.checkpoint, out and lse are saveable by name
+    reduce_wire_dtype, backward, sm_margin). Under jax.checkpoint, out and lse are saveable by name
     (magi_jax.CHECKPOINT_NAMES): the backward pass then does not run the attention forward again."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
@@ -573,4 +545,4 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
 
 
 __all__ = ["MeshPlan", "plan", "dispatch", "undispatch", "position_ids", "calc_attn", "calc_attn_local",
-           "run_tables", "RunTables", "StageRun", "BACKWARDS", "FORWARDS"]
+           "run_tables", "RunTables", "StageRun", "BACKWARDS"]

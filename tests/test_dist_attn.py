@@ -16,11 +16,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.planner import make_plan
-from magi_jax.planner.calls import split_host
 from magi_jax.reference import attention_f64
 from tests.conftest import assert_within_rule, random_qkv
-from tests.test_dist_helpers import (DOCS, FREE_TRANSFERS, check_dist, collective_dependencies, count_ops, families,
-                                     global_fn, mesh_of, random_mask, remat_grads)
+from tests.test_dist_helpers import (DOCS, check_dist, collective_dependencies, count_ops, families, global_fn,
+                                     mesh_of, random_mask, remat_grads)
 
 # Every family once, the (cp, overlap) pairs rotating so that each cp and each degree 0..4 recurs.
 FAMILY_CASES = [
@@ -42,14 +41,6 @@ def test_mask_families(name, cp, overlap):
 @pytest.mark.parametrize("backward", ["fused", "staged"])
 def test_random_masks(seed, cp, overlap, backward):
     check_dist(random_mask(seed), mesh_of(cp), overlap=overlap, seed=seed, backward=backward)
-
-
-@pytest.mark.parametrize("seed, cp, overlap", [(5, 2, 1), (6, 4, 2), (7, 8, 3), (8, 2, 4)])
-@pytest.mark.parametrize("forward", ["joined", "merged"])
-def test_forward_with_rows_moved_to_the_last_call(seed, cp, overlap, forward):
-    mask = random_mask(seed, total=256 * cp, max_slices=12)   # two q blocks of 128 rows per rank
-    mp = check_dist(mask, mesh_of(cp), overlap=overlap, seed=seed, cost_model=FREE_TRANSFERS, forward=forward)
-    assert split_host(mp.plan)[1].areas().sum() > 0   # the last call holds rows of the host slices
 
 
 @pytest.mark.parametrize("transport", ["all_to_all", "ppermute"])
@@ -276,8 +267,6 @@ def test_bad_arguments():
         mj.calc_attn(q, q, q, mp, transport="ragged")
     with pytest.raises(ValueError, match="backward"):
         mj.calc_attn(q, q, q, mp, backward="pipelined")
-    with pytest.raises(ValueError, match="^forward: expected one of"):
-        mj.calc_attn(q, q, q, mp, forward="fused")
     with pytest.raises(ValueError, match="sm_margin"):
         mj.calc_attn(q, q, q, mp, sm_margin=-8)
     with pytest.raises(ValueError, match="the mesh has"):

@@ -11,14 +11,10 @@ from jax.sharding import Mesh
 import magi_jax as mj
 from magi_jax import comm, masks
 from magi_jax.mask import AttnMask
-from magi_jax.planner import CostModel
 from tests.conftest import check_against_reference, random_qkv, remat_grads_and_calls
 
 # 380 tokens: not a multiple of chunk_size * cp for most settings, so the plans pad.
 DOCS = [61, 7, 90, 1, 18, 127, 4, 72]
-# Transfers free in the cost model: the joined forward's last call takes every q block with remote keys
-# (planner/calls.py keeps none in the host call to cover a transfer).
-FREE_TRANSFERS = CostModel(bytes_per_s=1e30, collective_latency_s=0.0)
 
 
 def mesh_of(cp: int, dp: int = 1, platform: str = "cpu") -> Mesh:
@@ -70,11 +66,11 @@ def global_fn(mp, **options):
 
 
 def check_dist(mask: AttnMask, mesh: Mesh, *, overlap=2, chunk_size=16, hq=2, hkv=2, d=64, dtype=np.float32,
-               seed=0, softmax_scale=None, softcap=0.0, cost_model=None, **options):
+               seed=0, softmax_scale=None, softcap=0.0, **options):
     """The global round trip on ``mesh`` against the float64 reference: out, lse, dq, dk, dv within the
     tolerance rule. Returns the plan."""
     mp = mj.plan(mask, mesh, chunk_size=chunk_size, overlap=overlap, num_heads_q=hq, num_heads_kv=hkv,
-                 head_dim=d, cost_model=cost_model)
+                 head_dim=d)
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hkv, d, dtype)
     fn = global_fn(mp, softmax_scale=softmax_scale, softcap=softcap, **options)
