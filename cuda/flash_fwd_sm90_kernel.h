@@ -25,8 +25,6 @@
 // fill) and are masked or clipped on store.
 #pragma once
 
-#include <climits>
-
 #include "block_lists.h"
 #include "epilogue.h"
 #include "mask.h"
@@ -210,10 +208,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       PrefetchTensorMap(&p.k_map);
       PrefetchTensorMap(&p.v_map);
       PrefetchTensorMap(&p.out_map);
-      if (p.split_row != INT_MAX) {
-        PrefetchTensorMap(&p.k2_map);
-        PrefetchTensorMap(&p.v2_map);
-      }
     }
     PipeState<kStages> kv;
     PipeState<2> slot;
@@ -263,20 +257,18 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       qs.Advance();
       for (FwdStep st = first; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, &st)) {
         if (lane == 0) {
-          const bool second = st.c0 >= p.split_row;
-          const CUtensorMap* k_map = second ? &p.k2_map : &p.k_map;
-          const CUtensorMap* v_map = second ? &p.v2_map : &p.v_map;
-          const int row = second ? st.c0 - p.split_row : st.c0;
           MbarWait(&bars.k_empty[kv.stage], kv.phase ^ 1);
           MbarArriveExpectTx(&bars.k_full[kv.stage], Tile::kKvBytes);
 #pragma unroll
           for (int c = 0; c < kChunks; ++c)
-            TmaLoad3d(sk + kv.stage * Tile::kKvBytes + c * (BN * 128), k_map, &bars.k_full[kv.stage], 64 * c, hk, row);
+            TmaLoad3d(sk + kv.stage * Tile::kKvBytes + c * (BN * 128), &p.k_map, &bars.k_full[kv.stage], 64 * c, hk,
+                      st.c0);
           MbarWait(&bars.v_empty[kv.stage], kv.phase ^ 1);
           MbarArriveExpectTx(&bars.v_full[kv.stage], Tile::kKvBytes);
 #pragma unroll
           for (int c = 0; c < kChunks; ++c)
-            TmaLoad3d(sv + kv.stage * Tile::kKvBytes + c * (BN * 128), v_map, &bars.v_full[kv.stage], 64 * c, hk, row);
+            TmaLoad3d(sv + kv.stage * Tile::kKvBytes + c * (BN * 128), &p.v_map, &bars.v_full[kv.stage], 64 * c, hk,
+                      st.c0);
         }
         kv.Advance();
       }

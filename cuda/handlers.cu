@@ -14,7 +14,6 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
-#include <utility>
 
 #include "block_lists.h"
 #include "ffa_interface.h"
@@ -153,20 +152,15 @@ SliceArgs MakeSliceArgs(const FfaDims& dims, const ffi::Buffer<ffi::S32>& q_rang
 ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
                       ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev,
-                      ffi::AnyBuffer k2, ffi::AnyBuffer v2, float softmax_scale, float softcap, int32_t sm_margin,
-                      bool kv_packed, bool kv2_packed, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                      float softmax_scale, float softcap, int32_t sm_margin, bool kv_packed,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
+  if (auto err = CheckSizes(*dims); err.failure()) return err;
   if (sm_margin < 0) return ffi::Error::InvalidArgument("sm_margin: must be >= 0");
   auto merge = CheckMergeInputs(q, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
-  auto tk2 = CheckSecondSource(k, dims->hkv, k2, v2, kv2_packed);
-  if (tk2.has_error()) return tk2.error();
-  const int64_t tk1 = dims->tk;
-  dims->tk += *tk2;  // the kernels' key space: concat(k, k2)
-  if (auto err = CheckSizes(*dims); err.failure()) return err;
 
   const bool sm90_only = dims->d == kSm90OnlyHeadDim;
   if (sm90_only) {
@@ -217,48 +211,13 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     p.out_prev = out->untyped_data();
     p.lse_prev = lse->typed_data();
   }
-  const size_t elem = ffi::ByteWidth(k.element_type()), row_bytes = size_t(dims->hkv * dims->d) * elem;
-  if (*tk2 > 0) {
-    p.split.k2 = k2.untyped_data();
-    p.split.v2 = kv2_packed ? static_cast<const char*>(p.split.k2) + row_bytes : v2.untyped_data();
-    p.split.row = tk1;
-    p.split.row_heads = int(kv2_packed ? 2 * dims->hkv : dims->hkv);
-  }
-  // The kernels other than the sm90 forward read one key source: concat(k, k2) in scratch (strided copies:
-  // either source may be packed).
-  auto concat_sources = [&]() -> ffi::Error {
-    auto buf = Carver::Allocate(scratch, 2 * Carver::Round(size_t(dims->tk) * row_bytes));
-    if (!buf.has_value())
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for concat(k, k2)");
-    const size_t pitch1 = size_t(p.kv_row_heads) * dims->d * elem, pitch2 = size_t(p.split.row_heads) * dims->d * elem;
-    for (auto [src1, src2] : {std::pair{&p.k, p.split.k2}, {&p.v, p.split.v2}}) {
-      char* dst = buf->Take<char>(size_t(dims->tk) * row_bytes);
-      if (tk1 > 0)
-        if (cudaError_t e = cudaMemcpy2DAsync(dst, row_bytes, *src1, pitch1, row_bytes, size_t(tk1),
-                                              cudaMemcpyDeviceToDevice, stream);
-            e != cudaSuccess)
-          return CudaFailure("concat(k, k2)", e);
-      if (cudaError_t e = cudaMemcpy2DAsync(dst + tk1 * row_bytes, row_bytes, src2, pitch2, row_bytes,
-                                            size_t(*tk2), cudaMemcpyDeviceToDevice, stream);
-          e != cudaSuccess)
-        return CudaFailure("concat(k, k2)", e);
-      *src1 = dst;
-    }
-    p.kv_row_heads = int(dims->hkv);
-    p.split = KeySplit{};
-    return ffi::Error::Success();
-  };
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     if constexpr (D == kSm90OnlyHeadDim) {
       // No mma.sync fallback: inputs TMA cannot take (a pointer not 16-byte aligned, no tensor-map entry
       // point in the driver) are an error.
-      cudaError_t err = LaunchFwdSm90<T, D>(p, sm90_scratch, stream);
-      if (err == cudaErrorNotSupported && p.split.row >= 0) {  // a second source TMA cannot take: one array
-        if (auto e = concat_sources(); e.failure()) return e;
-        err = LaunchFwdSm90<T, D>(p, sm90_scratch, stream);
-      }
+      const cudaError_t err = LaunchFwdSm90<T, D>(p, sm90_scratch, stream);
       if (err == cudaErrorNotSupported)
         return ffi::Error::InvalidArgument(
             "q: head_dim 256 runs on the sm90 (TMA) forward only, which needs q, k, v and out 16-byte aligned "
@@ -272,8 +231,6 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         if (err == cudaSuccess) return ffi::Error::Success();
         if (err != cudaErrorNotSupported) return CudaFailure("forward (sm90)", err);
       }
-      if (p.split.row >= 0)
-        if (auto e = concat_sources(); e.failure()) return e;
       if (cudaError_t err = LaunchFwd<T, D>(p, stream); err != cudaSuccess) return CudaFailure("forward", err);
       return ffi::Error::Success();
     }

@@ -6,7 +6,6 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <climits>
 #include <type_traits>
 
 #include "flash_fwd_sm90_kernel.h"
@@ -74,32 +73,19 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   // made over q instead (never read: with no keys every slice's key span is empty, the walks have no step,
   // and the epilogue writes O = 0, lse = -inf).
   const bool no_keys = p.slices.tk == 0;
-  // A second key source (p.split): its own maps, chosen per key tile by the producer. Without keys in the
-  // first source, its maps are made over the second (never read: every tile starts at or past split_row).
-  const bool two = p.split.row >= 0;
-  const int64_t tk1 = two ? p.split.row : p.slices.tk;
-  const bool first = !no_keys && tk1 > 0;
-  if (encode == nullptr || (no_keys && D != 256) || !Aligned16(p.q) || (first && !Aligned16(p.k)) ||
-      (first && !Aligned16(p.v)) || !Aligned16(p.out) || (two && (!Aligned16(p.split.k2) || !Aligned16(p.split.v2))))
+  if (encode == nullptr || (no_keys && D != 256) || !Aligned16(p.q) || (!no_keys && !Aligned16(p.k)) ||
+      (!no_keys && !Aligned16(p.v)) || !Aligned16(p.out))
     return cudaErrorNotSupported;
-  const int tk2 = int(p.slices.tk - tk1);
-  const void* k_base = no_keys ? p.q : first ? p.k : p.split.k2;
-  const void* v_base = no_keys ? p.q : first ? p.v : p.split.v2;
-  const int kv_rows = no_keys ? p.slices.tq : first ? int(tk1) : tk2, kv_heads = no_keys ? p.hq : p.hkv;
-  const int kv_row_heads = no_keys ? p.hq : first ? p.kv_row_heads : p.split.row_heads;
+  const void* k_base = no_keys ? p.q : p.k;
+  const void* v_base = no_keys ? p.q : p.v;
+  const int kv_rows = no_keys ? p.slices.tq : p.slices.tk, kv_heads = no_keys ? p.hq : p.hkv;
+  const int kv_row_heads = no_keys ? p.hq : p.kv_row_heads;
   FwdSm90Params sp{};
   if (!EncodeMap<T>(encode, &sp.q_map, p.q, p.slices.tq, p.hq, D, Tile::kBlockM) ||
       !EncodeMap<T>(encode, &sp.k_map, k_base, kv_rows, kv_heads, D, Tile::kBlockN, kv_row_heads) ||
       !EncodeMap<T>(encode, &sp.v_map, v_base, kv_rows, kv_heads, D, Tile::kBlockN, kv_row_heads) ||
       !EncodeMap<T>(encode, &sp.out_map, p.out, p.slices.tq, p.hq, D, Tile::kRowsPerWarpgroup))
     return cudaErrorNotSupported;
-  sp.split_row = INT_MAX;
-  if (two && tk2 > 0) {
-    if (!EncodeMap<T>(encode, &sp.k2_map, p.split.k2, tk2, p.hkv, D, Tile::kBlockN, p.split.row_heads) ||
-        !EncodeMap<T>(encode, &sp.v2_map, p.split.v2, tk2, p.hkv, D, Tile::kBlockN, p.split.row_heads))
-      return cudaErrorNotSupported;
-    sp.split_row = int(tk1);
-  }
   int device = 0, sms = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device); err != cudaSuccess)

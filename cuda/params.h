@@ -25,17 +25,6 @@ struct BlockLists {
   int axis, block;
 };
 
-// A second key source (the fetched rows of a distributed call): keys [row, Tk) of the problem are rows
-// [0, Tk - row) of k2, v2, and the backward's gradients of them go to dk2, dv2 ([Tk - row, Hkv, D]); row < 0:
-// none. row_heads: heads from one row of them to the next (0: Hkv; 2 Hkv when K and V are packed side by
-// side). The sm90 kernels read (and write) them in place; the others run on concat(k, k2) in scratch.
-struct KeySplit {
-  const void *k2 = nullptr, *v2 = nullptr;
-  void *dk2 = nullptr, *dv2 = nullptr;
-  int64_t row = -1;
-  int row_heads = 0;
-};
-
 struct FwdParams {
   const void *q, *k, *v;
   void* out;
@@ -50,7 +39,16 @@ struct FwdParams {
   // MergeWithPrevious), aliased to out and lse; null: none.
   const void* out_prev;
   const float* lse_prev;
-  KeySplit split;  // a second key source (dk2, dv2 unused)
+};
+
+// A second key source for the sm90 backward (cuda/flash_bwd_sm90_kernel.h): keys [row, Tk) of the
+// problem are rows [0, Tk - row) of k2, v2, their gradients dk2, dv2 ([Tk - row, Hkv, D]); row < 0: none.
+// row_heads: heads from one row of them to the next (0: Hkv; 2 Hkv when K and V are packed side by side).
+struct KeySplit {
+  const void *k2 = nullptr, *v2 = nullptr;
+  void *dk2 = nullptr, *dv2 = nullptr;
+  int64_t row = -1;
+  int row_heads = 0;
 };
 
 struct BwdParams {

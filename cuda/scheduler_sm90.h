@@ -30,11 +30,6 @@ namespace magi_jax::cuda {
 
 struct FwdSm90Params {
   CUtensorMap q_map, k_map, v_map, out_map;  // [T, H, D] as (D, H, T); boxes (64, 1, rows), 128B swizzle
-  // A second key source (FwdParams::split): key tiles starting at or past split_row (INT_MAX: none) load
-  // rows c0 - split_row through these maps. A slice's keys lie in one source, so a tile that runs past the
-  // first source's end reads zeros there (TMA's out-of-bounds fill), all of them masked.
-  CUtensorMap k2_map, v2_map;
-  int split_row;
   FwdParams base;
   const int32_t* order;  // [num q blocks]: q blocks by decreasing work
   int32_t* counter;      // zeroed before the launch

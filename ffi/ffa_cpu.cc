@@ -350,48 +350,22 @@ T* Data(const ffi::AnyBuffer& b) { return reinterpret_cast<T*>(b.untyped_data())
 template <typename T>
 T* Data(ffi::Result<ffi::AnyBuffer>& b) { return reinterpret_cast<T*>(b->untyped_data()); }
 
-// Rows [0, n) of a key source whose rows are `pitch` elements apart, `row` elements each, appended at dst.
-template <typename T>
-void CopyRows(const T* src, int64_t n, size_t row, size_t pitch, T* dst) {
-  for (int64_t r = 0; r < n; ++r) std::copy_n(src + r * pitch, row, dst + r * row);
-}
-
 ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges,
                       ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev,
-                      ffi::AnyBuffer lse_prev, ffi::AnyBuffer k2, ffi::AnyBuffer v2, float softmax_scale,
-                      float softcap, int32_t /*sm_margin: a GPU launch setting*/, bool kv_packed, bool kv2_packed,
+                      ffi::AnyBuffer lse_prev, float softmax_scale,
+                      float softcap, int32_t /*sm_margin: a GPU launch setting*/, bool kv_packed,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
   auto merge = CheckMergeInputs(q, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
-  auto tk2 = CheckSecondSource(k, dims->hkv, k2, v2, kv2_packed);
-  if (tk2.has_error()) return tk2.error();
-  const int64_t tk1 = dims->tk;
-  dims->tk += *tk2;
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
   if (kv_packed) p.kv_row_heads = 2 * dims->hkv;
   return DispatchDtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    const size_t row = size_t(dims->hkv * dims->d);
-    const T* k_data = Data<T>(k);
-    const T* v_data = kv_packed ? Data<T>(k) + row : Data<T>(v);
-    // Two key sources: the reference path runs on their concatenation (packed: V after K in each row).
-    std::vector<T> kc, vc;
-    if (*tk2 > 0) {
-      const size_t pitch1 = kv_packed ? 2 * row : row, pitch2 = kv2_packed ? 2 * row : row;
-      kc.resize(size_t(dims->tk) * row);
-      vc.resize(kc.size());
-      CopyRows(k_data, tk1, row, pitch1, kc.data());
-      CopyRows(v_data, tk1, row, pitch1, vc.data());
-      CopyRows(Data<T>(k2), *tk2, row, pitch2, kc.data() + tk1 * row);
-      CopyRows(kv2_packed ? Data<T>(k2) + row : Data<T>(v2), *tk2, row, pitch2, vc.data() + tk1 * row);
-      k_data = kc.data();
-      v_data = vc.data();
-      p.kv_row_heads = dims->hkv;
-    }
-    Forward<T>(p, Data<T>(q), k_data, v_data, Data<T>(out), lse->typed_data(),
+    const T* v_data = kv_packed ? Data<T>(k) + dims->hkv * dims->d : Data<T>(v);
+    Forward<T>(p, Data<T>(q), Data<T>(k), v_data, Data<T>(out), lse->typed_data(),
                *merge ? Data<T>(out_prev) : nullptr, *merge ? Data<float>(lse_prev) : nullptr);
   });
 }
@@ -444,8 +418,10 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
     std::vector<T> kc(n), vc(n), dkc(n), dvc(n);
     std::copy(Data<T>(k), Data<T>(k) + n1, kc.begin());
     std::copy(Data<T>(v), Data<T>(v) + n1, vc.begin());
-    CopyRows(Data<T>(k2), *tk2, row, pitch, kc.data() + n1);
-    CopyRows(v2_data, *tk2, row, pitch, vc.data() + n1);
+    for (int64_t r = 0; r < *tk2; ++r) {
+      std::copy_n(Data<T>(k2) + r * pitch, row, kc.begin() + n1 + r * row);
+      std::copy_n(v2_data + r * pitch, row, vc.begin() + n1 + r * row);
+    }
     backward(kc.data(), vc.data(), dkc.data(), dvc.data());
     std::copy(dkc.begin(), dkc.begin() + n1, Data<T>(dk));
     std::copy(dvc.begin(), dvc.begin() + n1, Data<T>(dv));

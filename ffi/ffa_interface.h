@@ -1,15 +1,14 @@
 // The FFA custom-call interface shared by every platform (CPU in ffi/, CUDA in cuda/).
 //
 // Targets (registered per platform under the same names):
-//   magi_jax_ffa_fwd: (q, k, v, q_ranges, k_ranges, attn_type_map, out_prev, lse_prev, k2, v2) -> (out, lse)
+//   magi_jax_ffa_fwd: (q, k, v, q_ranges, k_ranges, attn_type_map) -> (out, lse)
 //   magi_jax_ffa_bwd: (q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, k2, v2)
 //                     -> (dq, dk, dv, dk2, dv2)
-// k2, v2 [Tk2, Hkv, D] (Tk2 may be 0) are a second key source: the keys the ranges index are concat(k, k2)
-// (the fetched rows of a distributed call, which then need no concatenation in memory); the backward's dk2,
-// dv2 are their gradients.
-// The attribute kv2_packed: the second source packed, k2 [Tk2, 2 Hkv, D] (v2 the same array: a group
-// collective's receive buffer as is), and the backward's gradients dk2 [Tk2, 2 Hkv, D] the same way (dK and
-// dV side by side per row; dv2 an empty placeholder).
+// The backward's k2, v2 [Tk2, Hkv, D] (Tk2 may be 0) are a second key source: the keys the ranges index are
+// concat(k, k2), and dk2, dv2 are the gradients of k2, v2 (the fetched rows of a distributed backward, which
+// then need no concatenation in memory).
+// The backward's attribute kv2_packed: the second source packed the same way, k2 [Tk2, 2 Hkv, D] (v2 the same
+// array) and its gradients dk2 [Tk2, 2 Hkv, D] (dK and dV side by side per row; dv2 an empty placeholder).
 // The forward's attribute kv_packed: k is [Tk, 2 Hkv, D], K in heads [0, Hkv) and V in [Hkv, 2 Hkv) of each
 // row (a group collective's receive buffer, [Tk, 2, Hkv, D], as is); v is the same array (only k is read).
 // Shapes: q/out/dout/dq [Tq, Hq, D]; k/v/dk/dv [Tk, Hkv, D]; lse and dlse (the cotangent of lse, used when
@@ -45,13 +44,10 @@ auto BindFfaFwd(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()             // attn_type_map [N]
       .template Arg<ffi::AnyBuffer>()                    // out_prev: an earlier call's out to merge with, or empty
       .template Arg<ffi::AnyBuffer>()                    // lse_prev: its lse [Tq, Hq] float32, or empty
-      .template Arg<ffi::AnyBuffer>()                    // k2
-      .template Arg<ffi::AnyBuffer>()                    // v2
       .template Attr<float>("softmax_scale")
       .template Attr<float>("softcap")
       .template Attr<int32_t>("sm_margin")              // SMs the persistent forward leaves free
       .template Attr<bool>("kv_packed")                  // k holds K and V side by side per row (above)
-      .template Attr<bool>("kv2_packed")                // k2 holds K and V side by side per row (above)
       .template Ret<ffi::AnyBuffer>()                    // out
       .template Ret<ffi::Buffer<ffi::F32>>();            // lse [Tq, Hq]
 }
@@ -121,31 +117,22 @@ inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::
   return dims;
 }
 
-// A second key source: k2 like k (hkv heads of head dim d; k itself may be packed) but for its row count, v2
-// like k2; packed: k2 [Tk2, 2 Hkv, D], v2 the same array. Returns Tk2.
-inline ffi::ErrorOr<int64_t> CheckSecondSource(const ffi::AnyBuffer& k, int64_t hkv, const ffi::AnyBuffer& k2,
-                                               const ffi::AnyBuffer& v2, bool packed) {
-  auto kd = k.dimensions(), k2d = k2.dimensions();
-  if (k2d.size() != 3 || k2d[1] != (packed ? 2 : 1) * hkv || k2d[2] != kd[2] || k2.element_type() != k.element_type())
-    return ffi::Error::InvalidArgument(packed ? "k2: packed must be [Tk2, 2 Hkv, D] with k's Hkv, head dim and dtype"
-                                              : "k2: must be [Tk2, Hkv, D] with k's heads, head dim and dtype");
-  if (auto err = CheckSameShape("v2", v2, k2); err.failure()) return err;
-  return k2d[0];
-}
-
-// The backward's second key source (CheckSecondSource) and its gradients dk2, dv2 like k2; packed: dk2
-// [Tk2, 2 Hkv, D], dv2 empty. Returns Tk2.
+// The backward's second key source: k2 like k but for its row count, v2 and the gradients dk2, dv2 like k2;
+// packed: k2 and dk2 [Tk2, 2 Hkv, D], v2 the same array as k2, dv2 empty. Returns Tk2.
 inline ffi::ErrorOr<int64_t> CheckSecondKeys(const ffi::AnyBuffer& k, const ffi::AnyBuffer& k2,
                                              const ffi::AnyBuffer& v2, const ffi::AnyBuffer& dk2,
                                              const ffi::AnyBuffer& dv2, bool packed) {
-  auto tk2 = CheckSecondSource(k, k.dimensions()[1], k2, v2, packed);
-  if (tk2.has_error()) return tk2;
+  auto kd = k.dimensions(), k2d = k2.dimensions();
+  if (k2d.size() != 3 || k2d[1] != (packed ? 2 : 1) * kd[1] || k2d[2] != kd[2] || k2.element_type() != k.element_type())
+    return ffi::Error::InvalidArgument(packed ? "k2: packed must be [Tk2, 2 Hkv, D] with k's Hkv, head dim and dtype"
+                                              : "k2: must be [Tk2, Hkv, D] with k's heads, head dim and dtype");
+  if (auto err = CheckSameShape("v2", v2, k2); err.failure()) return err;
   if (auto err = CheckSameShape("dk2", dk2, k2); err.failure()) return err;
   if (packed && dv2.element_count() != 0)
     return ffi::Error::InvalidArgument("dv2: empty when k2 is packed (dk2 holds dK and dV)");
   if (!packed)
     if (auto err = CheckSameShape("dv2", dv2, k2); err.failure()) return err;
-  return tk2;
+  return k2d[0];
 }
 
 // A forward split into calls over disjoint key sets (the distributed forward: host keys, then each stage's)

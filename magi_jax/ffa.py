@@ -111,21 +111,17 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
                  for x in arrays)
 
 
-def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0, prev=None, k2=None,
-              v2=None):
+def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0, prev=None):
     """out, lse over the slices given; prev: (out, lse) of an earlier call over the same q and other keys
     (disjoint slices), merged in by the kernel and updated in place: the result is that of both calls'
     slices together. v None: k is K and V packed, [Tk, 2, Hkv, D] (a group collective's receive buffer),
-    read as is. k2, v2: a second key source, as in _bwd_call (the ranges index concat(k, k2); v2 None: k2
-    packed), read where it lies."""
+    read as is."""
     kv_packed = v is None
     if kv_packed:
         if k.ndim != 4 or k.shape[1] != 2:
             raise ValueError(f"k: packed K and V must be [Tk, 2, Hkv, D], got {k.shape}")
         k = k.reshape(k.shape[0], 2 * k.shape[2], k.shape[3])
         v = k
-    hkv = k.shape[1] // 2 if kv_packed else k.shape[1]
-    k2, v2, kv2_packed = _second_source(k2, v2, (hkv, k.shape[2]), k.dtype)
     if prev is None:
         prev = (jnp.zeros((0,), q.dtype), jnp.zeros((0,), jnp.float32))
         aliases = None
@@ -139,23 +135,8 @@ def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_mar
     return _ffi.call(
         _ffi.FFA_FWD,
         (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
-        q, k, v, q_ranges, k_ranges, attn_type_map, *prev, k2, v2, aliases=aliases,
-        softmax_scale=np.float32(scale), softcap=np.float32(softcap), sm_margin=np.int32(sm_margin),
-        kv_packed=kv_packed, kv2_packed=kv2_packed)
-
-
-def _second_source(k2, v2, row_shape: tuple[int, int], dtype):
-    """(k2, v2, packed) as the custom calls take them: none -> empty [0, Hkv, D] arrays; v2 None -> k2 packed
-    [Tk2, 2, Hkv, D] viewed as [Tk2, 2 Hkv, D], v2 the same array."""
-    if k2 is None:
-        k2 = jnp.zeros((0, *row_shape), dtype)
-        return k2, k2, False
-    if v2 is not None:
-        return k2, v2, False
-    if k2.ndim != 4 or k2.shape[1] != 2 or k2.shape[2:] != row_shape:
-        raise ValueError(f"k2: packed K and V must be [Tk2, 2, {row_shape[0]}, {row_shape[1]}], got {k2.shape}")
-    k2 = k2.reshape(k2.shape[0], 2 * k2.shape[2], k2.shape[3])
-    return k2, k2, True
+        q, k, v, q_ranges, k_ranges, attn_type_map, *prev, aliases=aliases, softmax_scale=np.float32(scale),
+        softcap=np.float32(softcap), sm_margin=np.int32(sm_margin), kv_packed=kv_packed)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -200,7 +181,13 @@ def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, 
         raise ValueError(f"dq_in: must be float32 of q's shape {q.shape}, got {dq_in.dtype}{list(dq_in.shape)}")
     if delta is not None and (delta.shape != q.shape[:2] or delta.dtype != jnp.float32):
         raise ValueError(f"delta: must be float32 [Tq, Hq] = {list(q.shape[:2])}, got {delta.dtype}{list(delta.shape)}")
-    k2, v2, kv2_packed = _second_source(k2, v2, k.shape[1:], k.dtype)
+    kv2_packed = k2 is not None and v2 is None
+    if k2 is None:
+        k2 = v2 = jnp.zeros((0, *k.shape[1:]), k.dtype)
+    elif kv2_packed:
+        if k2.ndim != 4 or k2.shape[1] != 2 or k2.shape[2:] != k.shape[1:]:
+            raise ValueError(f"k2: packed K and V must be [Tk2, 2, {k.shape[1]}, {k.shape[2]}], got {k2.shape}")
+        k2 = v2 = k2.reshape(k2.shape[0], 2 * k2.shape[2], k2.shape[3])
     has_in = dq_in is not None
     if not has_in:
         dq_in = jnp.zeros((0,), jnp.float32)

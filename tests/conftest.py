@@ -119,23 +119,6 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
                                      as_np(jnp.concatenate([dv, dv2]))]
 
 
-def split_key_forward(mask: AttnMask, q, k, v, split: int, packed: bool = False, packed_first: bool = False):
-    """The FFA forward over keys concat(k[:split], k[split:]) both ways: one key array, and two key sources
-    (ffa._fwd_call's k2, v2: the distributed forward's last call; packed: k2 holds K and V side by side per
-    row, [Tk2, 2, Hkv, D], as received; packed_first: the first source too). Returns (out, lse) of each, numpy
-    in the calls' dtypes."""
-    from magi_jax import ffa
-    args, scale = _kernel_args(mask, q)
-    one = jax.jit(lambda q, k, v: ffa._fwd_call(q, k, v, *args, scale, 0.0))(q, k, v)
-
-    def two(q, k, v):
-        k1, v1 = (jnp.stack([k[:split], v[:split]], axis=1), None) if packed_first else (k[:split], v[:split])
-        k2, v2 = (jnp.stack([k[split:], v[split:]], axis=1), None) if packed else (k[split:], v[split:])
-        return ffa._fwd_call(q, k1, v1, *args, scale, 0.0, k2=k2, v2=v2)
-
-    return [np.asarray(x) for x in one], [np.asarray(x) for x in jax.jit(two)(q, k, v)]
-
-
 def remat_grads_and_calls(loss, *args):
     """loss's gradients without jax.checkpoint and under it with the policy saving magi_jax.CHECKPOINT_NAMES,
     and the FFA forward calls of each program: without, under plain jax.checkpoint (the backward pass

@@ -13,7 +13,7 @@ import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
 from tests.conftest import (chained_dq_grads, check_against_reference, merged_forward, packed_kv_forward, random_qkv,
-                            remat_grads_and_calls, split_key_forward, split_key_grads)
+                            remat_grads_and_calls, split_key_grads)
 
 
 def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
@@ -248,28 +248,6 @@ def test_backward_with_two_key_sources_equals_one(split, packed):
     one, two = split_key_grads(mask, q, k, v, split, packed=packed)
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         np.testing.assert_array_equal(a, b, err_msg=name)
-
-
-@pytest.mark.parametrize("split", [0, 37, 64, 100])
-@pytest.mark.parametrize("packed, packed_first", [(False, False), (True, False), (True, True)])
-def test_forward_with_two_key_sources_equals_one(split, packed, packed_first):
-    # The distributed forward's last call reads the local keys and the received ones where they lie (packed:
-    # K and V side by side per row, as received); out and lse must be those of the concatenation (bitwise on
-    # the CPU, which concatenates internally).
-    rng = np.random.default_rng(split + 7)
-    mask = AttnMask([[0, 40], [10, 70], [50, 90]], [[0, 60], [30, 100], [70, 100]], [1, 0, 3], 90, 100)
-    q, k, v = random_qkv(rng, 90, 100, 4, 2, 64)
-    one, two = split_key_forward(mask, q, k, v, split, packed, packed_first)
-    for name, a, b in zip(["out", "lse"], one, two):
-        np.testing.assert_array_equal(a, b, err_msg=name)
-
-
-def test_forward_second_source_shape_error_names_k2():
-    from magi_jax import ffa
-    q, k, v = random_qkv(np.random.default_rng(9), 90, 100, 4, 2, 64)
-    qr, kr, t = (jnp.asarray(a) for a in OK_RANGES.values())
-    with pytest.raises(ValueError, match=r"^k2: packed K and V must be \[Tk2, 2, 2, 64\]"):
-        ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0, k2=k[:10])
 
 
 def test_backward_packed_second_source_shape_error_names_k2():
