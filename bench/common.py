@@ -49,6 +49,27 @@ def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7, calls: i
     return statistics.median(times)
 
 
+def gpu_seconds_per_call(fn: Callable, *args, calls: int = 10) -> float | None:
+    """GPU busy time per call of fn(*args): the durations of the first GPU's kernels and copies in a
+    jax.profiler trace of `calls` back-to-back calls, summed, over `calls`. None where the trace has no GPU
+    events (the CPU). Unlike the wall clock it holds no dispatch or launch gap: between two builds or two
+    kernel variants it moves by well under 1%, where wall-clock medians of one run moved by 3-7%
+    (BENCHMARKS.md 2026-11-30 19:55 and 20:05 UTC). The kernels of one call must not overlap (one stream)."""
+    import tempfile
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        trace = newest_perfetto_trace(pathlib.Path(log_dir))
+        by_gpu = gpu_kernel_events(trace) if trace is not None else {}
+    if not by_gpu:
+        return None
+    events = next(iter(by_gpu.values()))
+    return sum(e["dur"] for e in events) * 1e-6 / calls
+
+
 def attention_flops(area: int, heads_q: int, head_dim: int, backward: bool = False) -> float:
     """DESIGN.md section 5: forward 4 * area * Hq * D, forward+backward 3.5x that."""
     return 4.0 * area * heads_q * head_dim * (3.5 if backward else 1.0)

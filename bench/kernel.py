@@ -46,7 +46,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 sys.path.insert(0, str(ROOT))  # run as a script: make the repository's bench package importable
-from bench.common import doc_lengths, median_seconds, positive_int, ratio_text  # noqa: E402
+from bench.common import doc_lengths, gpu_seconds_per_call, median_seconds, positive_int, ratio_text  # noqa: E402
 
 
 def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
@@ -196,9 +196,10 @@ def jitted(fn: Callable, mode: str) -> Callable:
     return jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
 
 
-def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3) -> None:
+def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3, gpu_time: bool = False) -> None:
     """Every implementation on one case: each is compiled and checked against ffa first; then ``rounds``
-    rounds time them in turn (the machine's drift falls on all alike) and each keeps its median round."""
+    rounds time them in turn (the machine's drift falls on all alike) and each keeps its median round.
+    gpu_time: also each one's GPU busy time per call, from a profiler trace (``gpu_ms``; gpu_table)."""
     total = case.mask.total_seqlen_q
     area = case.mask.area()
     flops = 4.0 * area * H * case.head_dim
@@ -256,9 +257,16 @@ def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3)
             mult = 1.0 if row["mode"] == "fwd" else 3.5
             row.update(ms=round(seconds * 1e3, 3), tflops=round(flops * mult / seconds / 1e12, 1),
                        ms_rounds=[round(t * 1e3, 3) for t in times[i]])
+            if gpu_time:
+                select_kernel(row["impl"])
+                gpu = gpu_seconds_per_call(timed[i][1], q, k, v)
+                if gpu is not None:
+                    row["gpu_ms"] = round(gpu * 1e3, 4)
+                jax.effects_barrier()
         results.append(row)
         shown = (f"{row['ms']:8.3f} ms {row['tflops']:6.1f} TFLOP/s  diff vs ffa {row['rel_diff_vs_ffa']:.1e}  "
                  f"(rounds: {', '.join(f'{t:.3f}' for t in row['ms_rounds'])})"
+                 + (f"  GPU {row['gpu_ms']:.4f} ms" if "gpu_ms" in row else "")
                  if "ms" in row else f"error {row['error'][:120]}")
         print(f"[{case.name}] {row['impl']:>10} {row['mode']:>7}: {shown}", flush=True)
 
@@ -295,6 +303,27 @@ def table(results: list[dict]) -> str:
             for a, b in pairs:
                 f, c = by.get((case, a, mode)), by.get((case, b, mode))
                 ratios.append(f"{f['tflops'] / c['tflops']:.2f}" if f and c else "-")
+            lines.append(f"| {case} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return "\n".join(lines)
+
+
+def gpu_table(results: list[dict]) -> str:
+    """GPU busy time per call (ms) of every implementation with one (run_case's gpu_time), and each one's time
+    over ffa's: the A/B measure of kernel changes, free of the wall clock's dispatch noise. Empty: none."""
+    rows = [r for r in results if "gpu_ms" in r]
+    if not rows:
+        return ""
+    by = {(r["case"], r["impl"], r["mode"]): r["gpu_ms"] for r in rows}
+    present = [c for c in dict.fromkeys(r["impl"] for r in rows)]
+    others = [c for c in present if c != "ffa"]
+    lines = ["| case | pass | " + " | ".join(f"{c} GPU ms" for c in present) + " | "
+             + " | ".join(f"{c} / ffa" for c in others) + " |",
+             "|" + "---|" * (2 + len(present) + len(others))]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        for mode in ("fwd", "fwd+bwd"):
+            cells = [f"{by[(case, c, mode)]:.4f}" if (case, c, mode) in by else "-" for c in present]
+            mine = by.get((case, "ffa", mode))
+            ratios = [f"{by[(case, c, mode)] / mine:.4f}" if mine and (case, c, mode) in by else "-" for c in others]
             lines.append(f"| {case} | {mode} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     return "\n".join(lines)
 
@@ -384,6 +413,9 @@ def main() -> None:
                              "warpgroups starting together")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds over the implementations per case")
+    parser.add_argument("--gpu-time", action="store_true",
+                        help="also each implementation's GPU busy time per call from a profiler trace (a second "
+                             "table: the A/B measure of kernel changes)")
     args = parser.parse_args()
     device = jax.devices()[0]
     print(f"{device.device_kind}; {versions()}", flush=True)
@@ -392,8 +424,11 @@ def main() -> None:
         if args.cases and case.name not in args.cases:
             continue
         print(f"[{case.name}] {case.mask.num_slices} slices, area {case.mask.area():.3e}", flush=True)
-        run_case(case, args.impls, results, args.rounds)
+        run_case(case, args.impls, results, args.rounds, args.gpu_time)
     text = table(results)
+    gpu = gpu_table(results)
+    if gpu:
+        text += "\n\nGPU busy time per call, from a profiler trace of 10 calls:\n\n" + gpu
     bar = speed_bar(results)
     bar += "\n\n" + target_check(results, "ffa")
     print("\n" + text + "\n\n" + bar, flush=True)

@@ -80,3 +80,23 @@ def test_run_case_times_every_impl_over_rounds(kernel_bench):
     for r in results:
         assert len(r["ms_rounds"]) == 2 and min(r["ms_rounds"]) <= r["ms"] <= max(r["ms_rounds"]), r
         assert r["rel_diff_vs_ffa"] < 2e-2, r       # bf16 inputs, two implementations
+
+
+def test_gpu_table_times_over_ffa(kernel_bench):
+    results = [dict(row("swa", "ffa", "fwd", 400.0), gpu_ms=0.5), dict(row("swa", "cudnn", "fwd", 410.0), gpu_ms=0.48),
+               dict(row("swa", "ffa", "fwd+bwd", 350.0), gpu_ms=2.0), row("swa", "cudnn", "fwd+bwd", 340.0)]
+    lines = kernel_bench.gpu_table(results).splitlines()
+    assert lines[0] == "| case | pass | ffa GPU ms | cudnn GPU ms | cudnn / ffa |"
+    assert lines[2] == "| swa | fwd | 0.5000 | 0.4800 | 0.9600 |"
+    assert lines[3] == "| swa | fwd+bwd | 2.0000 | - | - |"      # cudnn's fwd+bwd without a GPU time
+    assert kernel_bench.gpu_table([row("swa", "ffa", "fwd", 400.0)]) == ""
+
+
+def test_run_case_gpu_time_is_absent_on_the_cpu(kernel_bench):
+    # No GPU events in a CPU trace: the rows carry no gpu_ms (and the run goes on).
+    from magi_jax import masks
+    mask = masks.varlen_causal([64, 64])
+    case = kernel_bench.Case("toy", mask, {}, head_dim=64)
+    results = []
+    kernel_bench.run_case(case, ["ffa"], results, rounds=1, gpu_time=True)
+    assert len(results) == 2 and all("ms" in r and "gpu_ms" not in r for r in results)

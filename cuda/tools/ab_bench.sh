@@ -9,7 +9,9 @@
 # tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py), AB_IMPLS (default "ffa cudnn"; a column a tree's
 # bench/kernel.py does not know is left empty), AB_TEST_WORKERS (pytest-xdist processes, default 4), AB_ROUNDS
 # (bench/kernel.py --rounds, default 1, for the trees whose bench has it: each tree runs in its own process,
-# so rounds interleave the implementations of one tree only). Writes $OUT/ab_<tree>.md and
+# so rounds interleave the implementations of one tree only), AB_GPU_TIME=1 (bench/kernel.py --gpu-time: each
+# implementation's GPU busy time per call from a profiler trace, the measure to compare two builds by: the
+# trees run in their own processes, where the wall clock moves by several percent). Writes $OUT/ab_<tree>.md and
 # $OUT/ab_<tree>_tests.log.
 set -u
 OUT=${OUT:-/tmp/magi_out}
@@ -31,6 +33,7 @@ for tree in "${@:1:$#-1}"; do
   echo "=== $tree"
   rounds=()
   grep -q -- '"--rounds"' bench/kernel.py && rounds=(--rounds "${AB_ROUNDS:-1}")
+  [ "${AB_GPU_TIME:-0}" = 1 ] && grep -q -- '"--gpu-time"' bench/kernel.py && rounds+=(--gpu-time)
   timeout "${AB_BENCH_TIMEOUT:-150}" python3 bench/kernel.py --no-append "${rounds[@]}" --impls ${AB_IMPLS:-ffa cudnn} \
     --cases $CASES 2>&1 |
     grep -E "^\| " | tee "$OUT/ab_${name}.md"
