@@ -52,9 +52,10 @@ def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7, calls: i
 def gpu_seconds_per_call(fn: Callable, *args, calls: int = 10) -> float | None:
     """GPU busy time per call of fn(*args): the durations of the first GPU's kernels and copies in a
     jax.profiler trace of `calls` back-to-back calls, summed, over `calls`. None where the trace has no GPU
-    events (the CPU). Unlike the wall clock it holds no dispatch or launch gap: between two builds or two
-    kernel variants it moves by well under 1%, where wall-clock medians of one run moved by 3-7%
-    (BENCHMARKS.md 2026-11-30 19:55 and 20:05 UTC). The kernels of one call must not overlap (one stream)."""
+    events (the CPU). Unlike the wall clock it holds no dispatch or launch gap: run in two processes, it
+    moved by 0.04-0.45% on seven of eight (case, pass, implementation) rows and 2.9% on one, where the wall
+    clock's medians moved by up to 7% within one run (BENCHMARKS.md 2026-11-30 19:55 and 20:35 UTC). The
+    kernels of one call must not overlap (one stream)."""
     import tempfile
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as log_dir:
