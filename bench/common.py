@@ -50,12 +50,12 @@ def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7, calls: i
 
 
 def gpu_seconds_per_call(fn: Callable, *args, calls: int = 10) -> float | None:
-    """GPU busy time per call of fn(*args): the durations of the first GPU's kernels and copies in a
-    jax.profiler trace of `calls` back-to-back calls, summed, over `calls`. None where the trace has no GPU
-    events (the CPU). Unlike the wall clock it holds no dispatch or launch gap: run in two processes, it
-    moved by 0.04-0.45% on seven of eight (case, pass, implementation) rows and 2.9% on one, where the wall
-    clock's medians moved by up to 7% within one run (BENCHMARKS.md 2026-11-30 19:55 and 20:35 UTC). The
-    kernels of one call must not overlap (one stream)."""
+    """GPU busy time per call of fn(*args): in a jax.profiler trace of `calls` back-to-back calls, the first
+    GPU's kernels and copies split into the calls (each launches the same ones), each call's durations
+    summed, the median over the calls (the first calls of a trace ran slower: the first traced forward of
+    a process read up to 11% above the same kernel's later ones, BENCHMARKS.md 2026-11-30 20:50 UTC). None
+    where the trace has no GPU events (the CPU). It holds no dispatch or launch gap, but the clock's drift
+    stays in it. The kernels of one call must not overlap (one stream)."""
     import tempfile
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as log_dir:
@@ -65,10 +65,17 @@ def gpu_seconds_per_call(fn: Callable, *args, calls: int = 10) -> float | None:
             jax.block_until_ready(out)
         trace = newest_perfetto_trace(pathlib.Path(log_dir))
         by_gpu = gpu_kernel_events(trace) if trace is not None else {}
-    if not by_gpu:
-        return None
-    events = next(iter(by_gpu.values()))
-    return sum(e["dur"] for e in events) * 1e-6 / calls
+    return busy_seconds_per_call(next(iter(by_gpu.values())), calls) if by_gpu else None
+
+
+def busy_seconds_per_call(events: Sequence[dict], calls: int) -> float:
+    """The median over `calls` calls of each one's summed event durations (trace microseconds), the events
+    taken in start order, as many per call; the mean where they do not divide evenly."""
+    durs = [e["dur"] for e in sorted(events, key=lambda e: e["ts"])]
+    if len(durs) % calls:
+        return sum(durs) * 1e-6 / calls
+    per = len(durs) // calls
+    return statistics.median(sum(durs[i * per:(i + 1) * per]) for i in range(calls)) * 1e-6
 
 
 def attention_flops(area: int, heads_q: int, head_dim: int, backward: bool = False) -> float:

@@ -309,7 +309,8 @@ def table(results: list[dict]) -> str:
 
 def gpu_table(results: list[dict]) -> str:
     """GPU busy time per call (ms) of every implementation with one (run_case's gpu_time), and each one's time
-    over ffa's: the A/B measure of kernel changes, free of the wall clock's dispatch noise. Empty: none."""
+    over ffa's: kernel time without the host's dispatch and launch gaps (the clock's drift stays). Empty:
+    none."""
     rows = [r for r in results if "gpu_ms" in r]
     if not rows:
         return ""
@@ -415,7 +416,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds over the implementations per case")
     parser.add_argument("--gpu-time", action="store_true",
                         help="also each implementation's GPU busy time per call from a profiler trace (a second "
-                             "table: the A/B measure of kernel changes)")
+                             "table: kernel time without host overhead)")
     args = parser.parse_args()
     device = jax.devices()[0]
     print(f"{device.device_kind}; {versions()}", flush=True)

@@ -8,10 +8,12 @@ import json
 import pathlib
 import sys
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import bench.common  # noqa: E402
-from bench.common import (gpu_kernel_events, host_events, kernel_totals, last_step,  # noqa: E402
-                          median_seconds, newest_perfetto_trace)
+from bench.common import (busy_seconds_per_call, gpu_kernel_events, host_events, kernel_totals,  # noqa: E402
+                          last_step, median_seconds, newest_perfetto_trace)
 
 
 def test_median_seconds_is_per_call_over_back_to_back_calls(monkeypatch):
@@ -70,3 +72,10 @@ def test_positive_int_names_the_bound():
     assert bench.common.positive_int("3") == 3
     with pytest.raises(argparse.ArgumentTypeError, match="must be >= 1, got 0"):
         bench.common.positive_int("0")
+
+
+def test_busy_seconds_per_call_is_the_median_call():
+    # Three calls of two kernels each; the first call ran slow (a trace's first calls do).
+    events = [{"ts": 10.0 * i, "dur": d} for i, d in enumerate([9.0, 5.0, 3.0, 2.0, 3.0, 2.5])]
+    assert busy_seconds_per_call(events[::-1], calls=3) == pytest.approx(5.5e-6)   # calls: 14, 5, 5.5
+    assert busy_seconds_per_call(events[:5], calls=3) == pytest.approx(22.0e-6 / 3)  # uneven: the mean

@@ -10,8 +10,8 @@
 # bench/kernel.py does not know is left empty), AB_TEST_WORKERS (pytest-xdist processes, default 4), AB_ROUNDS
 # (bench/kernel.py --rounds, default 1, for the trees whose bench has it: each tree runs in its own process,
 # so rounds interleave the implementations of one tree only), AB_GPU_TIME=1 (bench/kernel.py --gpu-time: each
-# implementation's GPU busy time per call from a profiler trace, the measure to compare two builds by: the
-# trees run in their own processes, where the wall clock moves by several percent). Writes $OUT/ab_<tree>.md and
+# implementation's GPU busy time per call from a profiler trace besides the wall clock; it leaves host overhead
+# out, not the clock's drift). Writes $OUT/ab_<tree>.md and
 # $OUT/ab_<tree>_tests.log.
 set -u
 OUT=${OUT:-/tmp/magi_out}
