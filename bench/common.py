@@ -52,10 +52,11 @@ def median_seconds(fn: Callable, *args, warmup: int = 2, reps: int = 7, calls: i
 def gpu_seconds_per_call(fn: Callable, *args, calls: int = 10) -> float | None:
     """GPU busy time per call of fn(*args): in a jax.profiler trace of `calls` back-to-back calls, the first
     GPU's kernels and copies split into the calls (each launches the same ones), each call's durations
-    summed, the median over the calls (the first calls of a trace ran slower: the first traced forward of
-    a process read up to 11% above the same kernel's later ones, BENCHMARKS.md 2026-11-30 20:50 UTC). None
-    where the trace has no GPU events (the CPU). It holds no dispatch or launch gap, but the clock's drift
-    stays in it. The kernels of one call must not overlap (one stream)."""
+    summed, the median over the calls. The median because the first column traced for a case read up to 11%
+    above the same kernel traced next (BENCHMARKS.md 2026-11-30 20:50 UTC), by the look of it a start-of-trace
+    effect on the first calls (the median's remedy is not yet measured on a GPU). None where the trace has no
+    GPU events (the CPU). It holds no dispatch or launch gap, but the clock's drift stays in it. The kernels
+    of one call must not overlap (one stream)."""
     import tempfile
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as log_dir:

@@ -315,7 +315,7 @@ def gpu_table(results: list[dict]) -> str:
     if not rows:
         return ""
     by = {(r["case"], r["impl"], r["mode"]): r["gpu_ms"] for r in rows}
-    present = [c for c in dict.fromkeys(r["impl"] for r in rows)]
+    present = list(dict.fromkeys(r["impl"] for r in rows))
     others = [c for c in present if c != "ffa"]
     lines = ["| case | pass | " + " | ".join(f"{c} GPU ms" for c in present) + " | "
              + " | ".join(f"{c} / ffa" for c in others) + " |",
