@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda" / "tools"))
 from sass_samples import instruction_class, summary  # noqa: E402
 from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
-from tile_waste import computed_cells  # noqa: E402
+from tile_waste import computed_cells, masked_wg_steps  # noqa: E402
 
 from magi_jax import masks  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
@@ -78,3 +78,13 @@ def test_tile_waste_counts_the_walks_cells():
     shifted = AttnMask([[0, 128]], [[64, 192]], ["full"], 128, 192)
     assert computed_cells(shifted, 128, halves=False, union=False) == 128 * 128
     assert computed_cells(shifted, 128, halves=False, union=True) == 2 * 128 * 128
+
+
+def test_masked_wg_steps_counts_the_backward_pairs_no_row_of_which_attends():
+    # Causal 256 x 256: k block 0 walks 4 steps of 64 rows, k block 1 two; in each k block the first step's
+    # rows (the diagonal's upper half) attend none of the second warpgroup's 64 keys.
+    causal = AttnMask([[0, 256]], [[0, 256]], ["causal"], 256, 256)
+    assert masked_wg_steps(causal) == (2, 12)
+    # Full 100 x 300: every row attends every key, but the last k block holds keys 256-299 only: its second
+    # warpgroup's keys (320-383) lie past the slice, so both of its steps are masked for it.
+    assert masked_wg_steps(AttnMask([[0, 100]], [[0, 300]], ["full"], 100, 300)) == (2, 12)

@@ -36,6 +36,16 @@ def key_span(q: tuple[int, int], k: tuple[int, int], t: AttnMaskType, rb: int, r
     return max(lo, ks), min(hi, ke)
 
 
+def row_span(q: tuple[int, int], k: tuple[int, int], t: AttnMaskType, cb: int, ce: int) -> tuple[int, int]:
+    """Rows of a slice attending some key of [cb, ce) (the kernel's RowSpan; empty when ce <= cb)."""
+    (qs, qe), (ks, ke) = q, k
+    if ce <= cb:
+        return 0, 0
+    lo = max(qs, cb - ke + qe) if t in (AttnMaskType.CAUSAL, AttnMaskType.BI_CAUSAL) else qs
+    hi = min(qe, ce - ks + qs) if t in (AttnMaskType.INV_CAUSAL, AttnMaskType.BI_CAUSAL) else qe
+    return lo, hi
+
+
 def block_work(mask: AttnMask, block_n: int) -> np.ndarray:
     """Key tiles walked by each q block of BLOCK_M rows (the kernel's FwdBlockWork without its +1)."""
     nb = -(-mask.total_seqlen_q // BLOCK_M)
@@ -55,10 +65,8 @@ def kv_block_work(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> np.n
     work = np.zeros(nb, np.int64)
     for (qs, qe), (ks, ke), t in zip(mask.q_ranges, mask.k_ranges, mask.types):
         for b in range(ks // block_n, -(-ke // block_n)):
-            cb, ce = max(ks, b * block_n), min(ke, (b + 1) * block_n)
             # Row q sees keys [ks + (q - qs) if inv, ke - (qe - q - 1) if causal): rows seeing a key of [cb, ce).
-            lo = max(qs, cb - ke + qe) if t in (AttnMaskType.CAUSAL, AttnMaskType.BI_CAUSAL) else qs
-            hi = min(qe, ce - 1 - ks + qs + 1) if t in (AttnMaskType.INV_CAUSAL, AttnMaskType.BI_CAUSAL) else qe
+            lo, hi = row_span((qs, qe), (ks, ke), t, max(ks, b * block_n), min(ke, (b + 1) * block_n))
             if hi > lo:
                 work[b] += -(-(hi - lo) // block_m)
     return work

@@ -17,6 +17,10 @@ cells:
     python cuda/tools/tile_waste.py [case ...]      # default: every case of bench/kernel.py
 
 Head dim 256 walks 80-key tiles: its row, at 128, only indicates.
+
+The backward (masked_wg_steps): of the sm90 dK / dV kernel's (warpgroup, step) pairs, a step being 64 rows of a
+slice against a CTA's 128 keys and a warpgroup holding 64 of them, the share where none of the step's rows
+attends any of the warpgroup's keys: work a skip could save.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernel import make_cases  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
-from sched_sim import key_span  # noqa: E402  (its folder is on sys.path: run as a script or by the tests)
+from sched_sim import key_span, row_span  # noqa: E402  (its folder is on sys.path: run as a script or by the tests)
 
 BLOCK_M, BLOCK_N, WG_M = 128, 128, 64
 
@@ -59,6 +63,25 @@ def computed_cells(mask: AttnMask, rows: int, halves: bool, union: bool) -> int:
     return cells + sum(len(s) for s in units.values()) * 64 * rows
 
 
+def masked_wg_steps(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> tuple[int, int]:
+    """(fully masked pairs, all pairs) of the backward's walk (scheduler.h KvStep: per k block and slice, the
+    row steps of block_m from the first row attending the block's keys) by its two warpgroups' key halves."""
+    masked = total = 0
+    half = block_n // 2
+    for q, k, t in zip(mask.q_ranges, mask.k_ranges, mask.types):
+        for b in range(k[0] // block_n, -(-k[1] // block_n)):
+            rb, re = row_span(q, k, t, max(k[0], b * block_n), min(k[1], (b + 1) * block_n))
+            if re <= rb:
+                continue
+            spans = [row_span(q, k, t, max(k[0], b * block_n + w * half), min(k[1], b * block_n + (w + 1) * half))
+                     for w in range(2)]
+            for r in range(rb, re, block_m):
+                for lo, hi in spans:
+                    total += 1
+                    masked += not (lo < min(r + block_m, re) and hi > r and hi > lo)
+    return masked, total
+
+
 def main() -> int:
     wanted = sys.argv[1:]
     print(f"{'case':26s} {'now':>7s} {'wg_tiles':>9s} {'wg_halves':>10s} {'union':>7s} {'union_halves':>13s}")
@@ -70,6 +93,12 @@ def main() -> int:
                   ((BLOCK_M, False, False), (WG_M, False, False), (WG_M, True, False), (BLOCK_M, False, True),
                    (WG_M, True, True))]
         print(f"{case.name:26s} " + " ".join(f"{r:{w}.4f}" for r, w in zip(ratios, (7, 9, 10, 7, 13))))
+    print(f"\n{'case':26s} backward (warpgroup, step) pairs fully masked")
+    for case in make_cases():
+        if wanted and case.name not in wanted:
+            continue
+        masked, total = masked_wg_steps(case.mask)
+        print(f"{case.name:26s} {masked / total:.2%} of {total}")
     return 0
 
 
