@@ -12,6 +12,7 @@ import pathlib
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -57,7 +58,6 @@ def gpu_seconds_per_call(fn: Callable, *args, calls: int = 10) -> float | None:
     effect on the first calls (the median's remedy is not yet measured on a GPU). None where the trace has no
     GPU events (the CPU). It holds no dispatch or launch gap, but the clock's drift stays in it. The kernels
     of one call must not overlap (one stream)."""
-    import tempfile
     jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as log_dir:
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):

@@ -428,8 +428,9 @@ PROFILE_STEPS = 3
 def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     """A jax.profiler trace of PROFILE_STEPS back-to-back steps (dispatched as a training loop does, one
     sync at the end) of magi's forward+backward (or forward alone: --profile-pass fwd; or the single-GPU
-    baseline: --profile-method single; magi without its transfers: magi_local) on the first mask: for magi the compiled schedule (which attention
-    calls sit between each async transfer's start and done) and the kernel overlap measured in the trace
+    baseline: --profile-method single; magi without its transfers: magi_local) on the first mask: for magi
+    the compiled schedule (which attention calls sit between each async transfer's start and done) and the
+    kernel overlap measured in the trace
     (NCCL kernels running while attention kernels run); for both the last step's kernels in time order on
     each GPU, the GPU idle time between the last two steps and the host's longest events in that gap."""
     from tests.test_dist_helpers import async_overlap, collective_dependencies

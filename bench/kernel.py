@@ -251,7 +251,7 @@ def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3,
                 traceback.print_exc(limit=2)
                 row["error"] = repr(e)[:400]
             jax.effects_barrier()
-    for i, (row, _) in enumerate(timed):
+    for i, (row, f) in enumerate(timed):
         if "error" not in row:
             seconds = float(np.median(times[i]))
             mult = 1.0 if row["mode"] == "fwd" else 3.5
@@ -259,7 +259,7 @@ def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3,
                        ms_rounds=[round(t * 1e3, 3) for t in times[i]])
             if gpu_time:
                 select_kernel(row["impl"])
-                gpu = gpu_seconds_per_call(timed[i][1], q, k, v)
+                gpu = gpu_seconds_per_call(f, q, k, v)
                 if gpu is not None:
                     row["gpu_ms"] = round(gpu * 1e3, 4)
                 jax.effects_barrier()

@@ -31,10 +31,10 @@ for tree in "${@:1:$#-1}"; do
     echo "$tree tests: rc $? $(tail -1 "$OUT/ab_${name}_tests.log")"
   fi
   echo "=== $tree"
-  rounds=()
-  grep -q -- '"--rounds"' bench/kernel.py && rounds=(--rounds "${AB_ROUNDS:-1}")
-  [ "${AB_GPU_TIME:-0}" = 1 ] && grep -q -- '"--gpu-time"' bench/kernel.py && rounds+=(--gpu-time)
-  timeout "${AB_BENCH_TIMEOUT:-150}" python3 bench/kernel.py --no-append "${rounds[@]}" --impls ${AB_IMPLS:-ffa cudnn} \
-    --cases $CASES 2>&1 |
+  options=()  # what this tree's bench/kernel.py knows of them
+  grep -q -- '"--rounds"' bench/kernel.py && options=(--rounds "${AB_ROUNDS:-1}")
+  [ "${AB_GPU_TIME:-0}" = 1 ] && grep -q -- '"--gpu-time"' bench/kernel.py && options+=(--gpu-time)
+  timeout "${AB_BENCH_TIMEOUT:-150}" python3 bench/kernel.py --no-append "${options[@]}" \
+    --impls ${AB_IMPLS:-ffa cudnn} --cases $CASES 2>&1 |
     grep -E "^\| " | tee "$OUT/ab_${name}.md"
 done
