@@ -4,6 +4,9 @@
     python cuda/tools/ncu_case.py causal_32k fwd --trace /tmp/t [--impl cudnn]
         # 10 timed calls (wall clock, as bench/kernel.py), then 10 traced: the GPU time per call of each
         # kernel, their sum, and what the wall clock holds beyond it (gaps between kernels, clocks)
+    python cuda/tools/ncu_case.py varlen_swa1024_32k fwd --chain 10 [--impl cudnn]
+        # the wall time per call of 10 separate calls against 10 calls chained inside one jit (each call's q
+        # the last one's output), as a training step runs its layers: what dispatching each call costs
 """
 
 from __future__ import annotations
@@ -21,16 +24,45 @@ from bench import kernel as bench  # noqa: E402
 from bench.common import gpu_kernel_events, kernel_totals, newest_perfetto_trace  # noqa: E402
 
 
+def chained(f, fn, a, q, k, v) -> None:
+    """Wall time per call: a.chain separate calls of f against one jit running a.chain calls in a row (the
+    forward's output, or dq, is the next call's q: nothing is hoisted out of the loop)."""
+    step = (lambda q: fn(q, k, v).astype(q.dtype)) if a.mode == "fwd" else (
+        lambda q: jax.grad(lambda q, k, v: fn(q, k, v).astype(jax.numpy.float32).sum(), argnums=(0, 1, 2))(
+            q, k, v)[0].astype(q.dtype))
+    loop = jax.jit(lambda q: jax.lax.fori_loop(0, a.chain, lambda _, x: step(x), q))
+    for fun, args in ((f, (q, k, v)), (loop, (q,))):
+        jax.block_until_ready(fun(*args))
+    times = {"separate": [], "chained": []}
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(a.chain):
+            out = f(q, k, v)
+        jax.block_until_ready(out)
+        times["separate"].append((time.perf_counter() - t0) / a.chain)
+        t0 = time.perf_counter()
+        jax.block_until_ready(loop(q))
+        times["chained"].append((time.perf_counter() - t0) / a.chain)
+    sep, chn = (sorted(times[n])[2] * 1e6 for n in ("separate", "chained"))
+    print(f"{a.case} {a.mode} {a.impl}: {a.chain} calls, us per call: separate {sep:.1f}, chained in one jit "
+          f"{chn:.1f} ({sep - chn:+.1f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("case")
     ap.add_argument("mode", choices=["fwd", "fwd+bwd"])
     ap.add_argument("--impl", default="ffa", help="ffa, or a baseline of the case (cudnn)")
     ap.add_argument("--trace", type=pathlib.Path, default=None)
+    ap.add_argument("--chain", type=int, default=0, help="compare N separate calls with N chained in one jit")
     a = ap.parse_args()
     case = next(c for c in bench.make_cases() if c.name == a.case)
     q, k, v = bench.case_inputs(case)
-    f = bench.jitted(bench.ffa(case.mask) if a.impl == "ffa" else case.baselines[a.impl](), a.mode)
+    fn = bench.ffa(case.mask) if a.impl == "ffa" else case.baselines[a.impl]()
+    f = bench.jitted(fn, a.mode)
+    if a.chain:
+        chained(f, fn, a, q, k, v)
+        return
     calls = 3 if a.trace is None else 10
     for _ in range(2 if a.trace is not None else calls):
         jax.block_until_ready(f(q, k, v))
