@@ -81,14 +81,32 @@ FFA_KERNELS = {
     "ffa_bwd_grid": {"MAGI_JAX_SM90_BWD_ORDER": "grid"},
     "ffa_bwd_even": {"MAGI_JAX_SM90_BWD_STAGGER": "0"},
 }
-KERNEL_ENVS = sorted({name for env in FFA_KERNELS.values() for name in env})
+# Any other setting of the handler's variables: "ffa@VAR=VALUE[,VAR=VALUE...]", e.g.
+# ffa@MAGI_JAX_SM90_L2_BYTES=12582912 (L2 sections of 12 MB), a column of its own.
+_variant_envs = {name for env in FFA_KERNELS.values() for name in env}  # every variable a variant has set
+
+
+def is_ffa_variant(impl: str) -> bool:
+    return impl in FFA_KERNELS or impl.startswith("ffa@")
+
+
+def kernel_env(impl: str) -> dict[str, str]:
+    """The environment variables of an FFA variant (none for any other implementation)."""
+    if not impl.startswith("ffa@"):
+        return FFA_KERNELS.get(impl, {})
+    pairs = [p.split("=", 1) for p in impl[len("ffa@"):].split(",")]
+    if any(len(p) != 2 or not p[0].startswith("MAGI_JAX_") or not p[1] for p in pairs):
+        raise ValueError(f"--impls: {impl!r} is not ffa@VAR=VALUE[,VAR=VALUE...] with VAR a MAGI_JAX_ variable")
+    return dict(pairs)
 
 
 def select_kernel(impl: str) -> None:
     """Sets the kernel variables for `impl` (unset for every other one); call with no work in flight."""
-    for name in KERNEL_ENVS:
+    env = kernel_env(impl)
+    for name in _variant_envs:
         os.environ.pop(name, None)
-    os.environ.update(FFA_KERNELS.get(impl, {}))
+    _variant_envs.update(env)
+    os.environ.update(env)
 
 
 def cudnn_dense_causal(q, k, v):
@@ -210,7 +228,7 @@ def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3,
             continue
         if name == "ffa_det":
             fns[name] = ffa(case.mask, deterministic=True)
-        elif name in FFA_KERNELS:
+        elif is_ffa_variant(name):
             fns[name] = ffa(case.mask)
         elif name in case.baselines:
             try:
@@ -285,11 +303,12 @@ COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_gr
 def table(results: list[dict]) -> str:
     by = measured(results)
     cases = list(dict.fromkeys(r["case"] for r in results))
-    present = [c for c in COLUMNS if any(r["impl"] == c for r in results if "tflops" in r)]
+    timed = list(dict.fromkeys(r["impl"] for r in results if "tflops" in r))
+    present = [c for c in COLUMNS if c in timed] + [c for c in timed if c not in COLUMNS]
     # (numerator, denominator) of the ratio columns: to cuDNN, and ffa to each scheduler variant present
     # (what the variant's knob is worth, side by side in one run).
     pairs = [("ffa", "cudnn")] + ([("ffa_mma", "cudnn")] if "ffa_mma" in present else [])
-    pairs += [("ffa", v) for v in present if v in FFA_KERNELS and v != "ffa_mma"]
+    pairs += [("ffa", v) for v in present if is_ffa_variant(v) and v != "ffa_mma"]
     head = ("| case | pass | " + " | ".join(f"{c} TFLOP/s (ms)" for c in present) + " | " +
             " | ".join(f"{a} / {b}" for a, b in pairs) + " |")
     lines = [head, "|" + "---|" * (len(present) + 2 + len(pairs))]
@@ -411,13 +430,16 @@ def main() -> None:
                              "mma.sync kernels, ffa_grid the sm90 forward without its persistent scheduler, "
                              "ffa_natural without the longest-first order, ffa_l2all without L2 sections, "
                              "ffa_bwd_grid the backward's CTAs in grid order, ffa_bwd_even its consumer "
-                             "warpgroups starting together")
+                             "warpgroups starting together; ffa@VAR=VALUE[,VAR=VALUE] FFA with any MAGI_JAX_ "
+                             "variables set (a column and a ratio of its own)")
     parser.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds over the implementations per case")
     parser.add_argument("--gpu-time", action="store_true",
                         help="also each implementation's GPU busy time per call from a profiler trace (a second "
                              "table: kernel time without host overhead)")
     args = parser.parse_args()
+    for impl in args.impls:
+        kernel_env(impl)  # a malformed ffa@ variant fails here, before any compilation
     device = jax.devices()[0]
     print(f"{device.device_kind}; {versions()}", flush=True)
     results: list[dict] = []

@@ -100,3 +100,28 @@ def test_run_case_gpu_time_is_absent_on_the_cpu(kernel_bench):
     results = []
     kernel_bench.run_case(case, ["ffa"], results, rounds=1, gpu_time=True)
     assert len(results) == 2 and all("ms" in r and "gpu_ms" not in r for r in results)
+
+
+def test_ffa_variant_environments(kernel_bench, monkeypatch):
+    assert kernel_bench.kernel_env("ffa@MAGI_JAX_SM90_L2_BYTES=12582912,MAGI_JAX_SM90_SCHED=grid") == {
+        "MAGI_JAX_SM90_L2_BYTES": "12582912", "MAGI_JAX_SM90_SCHED": "grid"}
+    assert kernel_bench.kernel_env("ffa_bwd_even") == {"MAGI_JAX_SM90_BWD_STAGGER": "0"}
+    assert kernel_bench.kernel_env("cudnn") == {}
+    for bad in ("ffa@", "ffa@L2=1", "ffa@MAGI_JAX_SM90_L2_BYTES", "ffa@MAGI_JAX_SM90_L2_BYTES="):
+        with pytest.raises(ValueError, match="--impls"):
+            kernel_bench.kernel_env(bad)
+    # Selecting one variant unsets what the one before it set.
+    monkeypatch.delenv("MAGI_JAX_SM90_L2_BYTES", raising=False)
+    kernel_bench.select_kernel("ffa@MAGI_JAX_SM90_L2_BYTES=123")
+    assert kernel_bench.os.environ["MAGI_JAX_SM90_L2_BYTES"] == "123"
+    kernel_bench.select_kernel("ffa")
+    assert "MAGI_JAX_SM90_L2_BYTES" not in kernel_bench.os.environ
+
+
+def test_table_has_a_column_and_a_ratio_per_ffa_variant(kernel_bench):
+    variant = "ffa@MAGI_JAX_SM90_L2_BYTES=123"
+    results = [row("causal_32k", "ffa", "fwd", 600.0), row("causal_32k", "cudnn", "fwd", 500.0),
+               row("causal_32k", variant, "fwd", 300.0)]
+    head, _, line = kernel_bench.table(results).splitlines()[:3]
+    assert f"{variant} TFLOP/s (ms)" in head and f"ffa / {variant}" in head
+    assert line.endswith("| 1.20 | 2.00 |")
