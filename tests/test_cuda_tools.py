@@ -1,5 +1,6 @@
 """cuda/tools/sass_samples.py on a made-up Nsight Compute source page, cuda/tools/sched_sim.py's backward
-model and cuda/tools/tile_waste.py's forward walks on small masks: no GPU needed."""
+model, cuda/tools/tile_waste.py's forward walks on small masks and cuda/tools/power_probe.py on made-up
+nvidia-smi samples: no GPU needed."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda" / "tools"))
+from power_probe import parse_samples, summarize  # noqa: E402
 from sass_samples import instruction_class, summary  # noqa: E402
 from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
 from tile_waste import computed_cells, masked_wg_steps  # noqa: E402
@@ -88,3 +90,21 @@ def test_masked_wg_steps_counts_the_backward_pairs_no_row_of_which_attends():
     # Full 100 x 300: every row attends every key, but the last k block holds keys 256-299 only: its second
     # warpgroup's keys (320-383) lie past the slice, so both of its steps are masked for it.
     assert masked_wg_steps(AttnMask([[0, 100]], [[0, 300]], ["full"], 100, 300)) == (2, 12)
+
+
+def test_power_probe_averages_each_phase_per_gpu(tmp_path, capsys):
+    path = tmp_path / "smi.csv"
+    lines = ["2026/11/30 21:00:00.000, 0, 1980, 120.0, 0x0000000000000001",   # idle phase
+             "2026/11/30 21:00:01.000, 0, 1700, 690.0, 0x0000000000000004",   # busy: software power cap
+             "2026/11/30 21:00:01.500, 0, 1600, 700.0, 0x0000000000000000",
+             "2026/11/30 21:00:01.500, 1, 1980, 121.0, 0x0000000000000000",
+             "[Unknown Error]"]
+    path.write_text("\n".join(lines) + "\n")
+    samples = parse_samples(path)
+    assert len(samples) == 4 and samples[1][1:] == (0, 1700.0, 690.0, 4)
+    t0 = samples[0][0]
+    summarize(samples, [("idle", t0 - 0.1, t0 + 0.1, 0.0), ("busy", t0 + 0.9, t0 + 1.6, 0.002)])
+    idle, busy = capsys.readouterr().out.splitlines()
+    assert "gpu0:   1980 MHz   120 W capped   0% (1)" in idle and "gpu1" not in idle
+    assert "2.000 ms/call" in busy
+    assert "gpu0:   1650 MHz   695 W capped  50% (2)" in busy and "gpu1:   1980 MHz   121 W capped   0% (1)" in busy
