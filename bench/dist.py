@@ -536,7 +536,8 @@ def step_timeline(path: pathlib.Path, steps: int) -> None:
                 print(f"    {us / 1e3:7.3f}  {e.get('tid')}  {e['name'][:100]}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def arg_parser() -> argparse.ArgumentParser:
+    """The command line, also the defaults of other tools that build these methods (cuda/tools/power_probe.py)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--platform", default="gpu", choices=["gpu", "cpu"])
     ap.add_argument("--gpus", type=int, default=None, help="devices to use (default: all)")
@@ -572,7 +573,11 @@ def main(argv: list[str] | None = None) -> int:
                          "baseline's")
     ap.add_argument("--profile-pass", default="fwd+bwd", choices=["fwd", "fwd+bwd"],
                     help="profile magi's forward+backward step or its forward alone")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arg_parser().parse_args(argv)
     devices = jax.devices(args.platform)
     n = args.gpus or len(devices)
     if n < 2 or len(devices) < n:

@@ -91,9 +91,7 @@ def dist_phases(a) -> list[tuple[str, Callable, tuple]]:
     import numpy as np
     from jax.sharding import Mesh
     from bench import dist as db
-    args = argparse.Namespace(  # bench/dist.py's defaults
-        platform=a.platform, heads=16, kv_heads=16, head_dim=128, dtype="bfloat16", overlap="auto", transport="auto",
-        sm_margin=db.dist_attn.SM_MARGIN, seed=0, tokens_per_gpu=a.tokens_per_gpu)
+    args = db.arg_parser().parse_args(["--platform", a.platform, "--tokens-per-gpu", str(a.tokens_per_gpu)])
     devices = jax.devices(a.platform)[:a.gpus]
     mesh = Mesh(np.array(devices), ("cp",))
     mask = db.make_mask(a.mask, a.tokens_per_gpu * len(devices))
