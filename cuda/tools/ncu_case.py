@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
 import sys
 import time
 
@@ -43,7 +44,7 @@ def chained(f, fn, a, q, k, v) -> None:
         t0 = time.perf_counter()
         jax.block_until_ready(loop(q))
         times["chained"].append((time.perf_counter() - t0) / a.chain)
-    sep, chn = (sorted(times[n])[2] * 1e6 for n in ("separate", "chained"))
+    sep, chn = (statistics.median(times[n]) * 1e6 for n in ("separate", "chained"))
     print(f"{a.case} {a.mode} {a.impl}: {a.chain} calls, us per call: separate {sep:.1f}, chained in one jit "
           f"{chn:.1f} ({sep - chn:+.1f})")
 
