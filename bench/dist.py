@@ -66,8 +66,10 @@ METHODS = ("magi", "allgather", "ring", "single")
 # allgather_minheap and ring_minheap: the baselines on an area-balanced dispatch (the min-heap solver) instead of
 # zigzag over fixed chunks, which leaves documents' areas unbalanced (varlen causal 128k on 2 ranks: 1.41x the
 # mean on one rank); what per-document zigzag (Transformer Engine's THD layout) achieves in balance.
+# magi_tables and magi_tables125: magi on its PlanTables (mj.plan_tables) padded to the plan's exact capacity and
+# to 1.25x it (all_to_all blocks of 1.25x the keys): what run-time plans cost against the static plan.
 EXTRA_METHODS = ("magi_ppermute", "magi_a2a", "magi_fused", "magi_bwd_fused", "magi_local", "allgather_minheap",
-                 "ring_minheap")
+                 "ring_minheap", "magi_tables", "magi_tables125")
 
 
 @contextlib.contextmanager
@@ -170,6 +172,13 @@ def build_magi(mask, mesh, args, transport=None, overlap=None, backward=None, sm
     sm_margin = args.sm_margin if sm_margin is None else sm_margin
     options = dict(transport=transport, sm_margin=sm_margin) | ({} if backward is None else dict(backward=backward))
     return (lambda q, k, v: mj.calc_attn(q, k, v, mp, **options)), mp
+
+
+def build_magi_tables(mask, mesh, args, headroom: float = 1.0):
+    """magi with the plan as run-time tables padded to its capacity times headroom (all_to_all)."""
+    _, mp = build_magi(mask, mesh, args)
+    tables = mj.plan_tables(mp, mj.PlanCapacity.of([mp], headroom=headroom))
+    return (lambda q, k, v: mj.calc_attn(q, k, v, tables)), mp
 
 
 def _baseline_plan(mask, mesh, args, solver: str) -> DistAttnPlan:
@@ -341,7 +350,8 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
                 "magi_fused": functools.partial(build_magi, overlap=0),
                 "magi_bwd_fused": functools.partial(build_magi, backward="fused"), "magi_local": build_magi,
                 "allgather_minheap": functools.partial(build_allgather, solver="minheap"),
-                "ring_minheap": functools.partial(build_ring, solver="minheap")}
+                "ring_minheap": functools.partial(build_ring, solver="minheap"), "magi_tables": build_magi_tables,
+                "magi_tables125": functools.partial(build_magi_tables, headroom=1.25)}
     builders |= {m: functools.partial(build_magi, sm_margin=int(m[len("magi_margin"):]))
                  for m in args.methods if m.startswith("magi_margin")}
     timed = []   # (row, work, note, [(pass, fn)], inputs)

@@ -1,12 +1,14 @@
 """A small decoder-only language model trained with magi_jax distributed attention on a (dp, cp) mesh.
 
-Every sequence packs synthetic documents: each is an arithmetic progression modulo the vocabulary with its own
-random start and step, so predicting the next token needs the document's earlier tokens (attention) and
-nothing from other documents (the varlen causal mask). Everything runs in dispatched order: tokens, labels
-and RoPE positions (magi_jax.position_ids) are dispatched once per step, and the attention of every layer is
-magi_jax.calc_attn on the (dp, cp) mesh: batch over dp, tokens over cp. Each layer is rematerialised in the
-backward pass except its attention output (magi_jax.CHECKPOINT_NAMES). One jitted step (forward, backward,
-Adam); the loss falls from ln(vocab).
+Every step packs new synthetic documents (new lengths, so a new varlen causal mask and a new plan): each is
+an arithmetic progression modulo the vocabulary with its own random start and step, so predicting the next
+token needs the document's earlier tokens (attention) and nothing from other documents. The plan travels as
+an argument of the jitted step (magi_jax.plan_tables, padded to one magi_jax.PlanCapacity), so every packing
+runs the same compiled step. Everything runs in dispatched order: tokens, labels and RoPE positions
+(magi_jax.position_ids) are dispatched once per step, and the attention of every layer is magi_jax.calc_attn
+on the (dp, cp) mesh: batch over dp, tokens over cp. Each layer is rematerialised in the backward pass except
+its attention output (magi_jax.CHECKPOINT_NAMES). One jitted step (forward, backward, Adam); the loss falls
+from ln(vocab).
 
     python examples/train_lm.py                 # 8 CPU devices (dp 2 x cp 4) unless GPUs are present
     python examples/train_lm.py --steps 300 --cp 2 --dp 1
@@ -31,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import magi_jax as mj  # noqa: E402
 
 
-def document_lengths(total: int, mean: int, seed: int) -> list[int]:
+def document_lengths(total: int, mean: int, seed: int | list[int]) -> list[int]:
     rng = np.random.default_rng(seed)
     lens: list[int] = []
     while sum(lens) < total:
@@ -102,7 +104,7 @@ def block(x, layer, positions, plan, cfg):
 
 # Long-context training keeps few activations: each layer is recomputed in the backward pass except the
 # attention's out and lse, saved by name, so the attention forward (and its key fetch) runs once per step.
-remat_block = jax.checkpoint(block, static_argnums=(3, 4),
+remat_block = jax.checkpoint(block, static_argnums=(4,),
                              policy=jax.checkpoint_policies.save_only_these_names(*mj.CHECKPOINT_NAMES))
 
 
@@ -114,16 +116,16 @@ def forward(params, tokens, positions, plan, cfg):
     return rms_norm(x, params["norm"]) @ params["head"]
 
 
-def make_step(plan, cfg, lr: float):
-    def loss_fn(params, tokens, labels, weights, positions):
-        logits = forward(params, tokens, positions, plan, cfg)
+def make_step(cfg, lr: float):
+    def loss_fn(params, tokens, labels, weights, plan):
+        logits = forward(params, tokens, mj.position_ids(plan), plan, cfg)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
         return jnp.sum(nll * weights) / jnp.sum(weights)
 
     @jax.jit
-    def step(params, opt, tokens, labels, weights, positions):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, weights, positions)
+    def step(params, opt, tokens, labels, weights, plan):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, weights, plan)
         t = opt["t"] + 1
         m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
         v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
@@ -166,12 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     seqlen = args.seqlen or (16384 if on_gpu else 1024)
 
     mesh = Mesh(np.array(devices[:dp * cp]).reshape(dp, cp), ("dp", "cp"))
-    lengths = document_lengths(seqlen, mean=max(32, seqlen // 12), seed=args.seed)
-    mask = mj.masks.varlen_causal(lengths)
-    plan = mj.plan(mask, mesh, axis="cp", num_heads_q=cfg.heads, num_heads_kv=cfg.kv_heads, head_dim=cfg.head_dim,
-                   chunk_size=(512 if on_gpu else 64))
-    print(f"{dp * cp} x {devices[0].device_kind}: mesh dp {dp} x cp {cp}; {len(lengths)} documents in "
-          f"{seqlen} tokens; {plan!r}")
+
+    def packing(i: int) -> tuple[list[int], mj.MeshPlan]:
+        """The document lengths of step i's batch and their plan (one overlap stage for every mask)."""
+        lengths = document_lengths(seqlen, mean=max(32, seqlen // 12), seed=[args.seed, i])
+        plan = mj.plan(mj.masks.varlen_causal(lengths), mesh, axis="cp", num_heads_q=cfg.heads,
+                       num_heads_kv=cfg.kv_heads, head_dim=cfg.head_dim, chunk_size=(512 if on_gpu else 64),
+                       overlap=1)
+        return lengths, plan
+
+    # Capacity for the plans of the first 16 packings and a quarter more; a later packing that needs more
+    # grows it (and the step compiles once more).
+    capacity = mj.PlanCapacity.of([packing(i)[1] for i in range(16)], headroom=1.25)
+    lengths, plan = packing(0)
+    print(f"{dp * cp} x {devices[0].device_kind}: mesh dp {dp} x cp {cp}; {seqlen} tokens of new documents "
+          f"every step (the first: {len(lengths)}, {plan!r}); {capacity}")
 
     params = init_params(jax.random.key(args.seed), cfg.vocab, width, args.layers, cfg.heads, cfg.kv_heads,
                          cfg.head_dim)
@@ -179,15 +190,21 @@ def main(argv: list[str] | None = None) -> int:
     params = jax.device_put(params, replicated)
     opt = jax.device_put({"t": jnp.zeros((), jnp.int32), "m": jax.tree.map(jnp.zeros_like, params),
                           "v": jax.tree.map(jnp.zeros_like, params)}, replicated)
-    positions = mj.position_ids(plan)
-    step = make_step(plan, cfg, args.lr)
-    dispatch = jax.jit(lambda *xs: tuple(mj.dispatch(x, plan, seq_dim=1) for x in xs))
+    step = make_step(cfg, args.lr)
+    dispatch = jax.jit(lambda plan, *xs: tuple(mj.dispatch(x, plan, seq_dim=1) for x in xs))
 
     rng = np.random.default_rng(args.seed + 1)
     losses, start = [], time.perf_counter()
     for i in range(args.steps):
-        tokens, labels, weights = dispatch(*make_batch(rng, lengths, dp, cfg.vocab))
-        params, opt, loss = step(params, opt, tokens, labels, weights, positions)
+        lengths, plan = packing(i)
+        try:
+            tables = mj.plan_tables(plan, capacity)
+        except ValueError:
+            capacity = mj.PlanCapacity.of([capacity, plan], headroom=1.25)
+            print(f"step {i}: capacity grown to {capacity}")
+            tables = mj.plan_tables(plan, capacity)
+        tokens, labels, weights = dispatch(tables, *make_batch(rng, lengths, dp, cfg.vocab))
+        params, opt, loss = step(params, opt, tokens, labels, weights, tables)
         losses.append(float(loss))
         if i == 0:
             start = time.perf_counter()

@@ -227,20 +227,27 @@ class CastTables:
         return out.astype(np.int32)
 
 
-def cast_tables(transfers: StageTransfers, transport: str = "auto") -> CastTables:
+def cast_tables(transfers: StageTransfers, transport: str = "auto", pair_capacity: int | None = None,
+                rows_capacity: int | None = None) -> CastTables:
     """The stage's tables for ``transport`` ("all_to_all", "ppermute", or "auto": all_to_all unless its
-    padding puts over 1.5x the tokens of the ppermute blocks on the wire)."""
+    padding puts over 1.5x the tokens of the ppermute blocks on the wire). With capacities (all_to_all
+    only): blocks of ``pair_capacity`` keys and ``rows_capacity`` packing rows per rank, so that tables of
+    other transfers fit the same shapes."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     t = transfers
     cp = t.cp
     pair = t.pair_tokens
+    if pair_capacity is not None or rows_capacity is not None:
+        if transport == "ppermute":
+            raise ValueError("transport: capacities need all_to_all (ppermute's blocks depend on the transfers)")
+        transport = "all_to_all"
     if transport == "auto":
         shift_total = int(t.shift_tokens().sum())
         transport = "all_to_all" if (cp - 1) * t.pair_max <= 1.5 * shift_total else "ppermute"
     src, dst = np.arange(cp)[:, None], np.arange(cp)[None, :]
     if transport == "all_to_all":
-        m = max(t.pair_max, 1)
+        m = max(t.pair_max if pair_capacity is None else _at_least("pair_capacity", pair_capacity, t.pair_max), 1)
         recv_base = np.broadcast_to(src * m, (cp, cp)).astype(np.int64)    # block src on dst
         send_base = np.broadcast_to(dst * m, (cp, cp)).astype(np.int64)    # block dst on src
         shifts, length = (), cp * m
@@ -262,13 +269,30 @@ def cast_tables(transfers: StageTransfers, transport: str = "auto") -> CastTable
     pos = send_base[s, d] + (t.dst_start - first[s, d])
     counts = np.bincount(s, minlength=cp)
     M = max(1, int(counts.max()) if len(counts) else 1)
+    if rows_capacity is not None:
+        M = _at_least("rows_capacity", rows_capacity, M)
     send_ranges = np.zeros((cp, M, 3), np.int32)
     order = np.argsort(s, kind="stable")
     slot = np.arange(len(s)) - np.repeat(np.cumsum(counts) - counts, counts)
     send_ranges[s[order], slot] = np.stack([t.src_start, t.src_end, pos], axis=1)[order]
     for a in (send_ranges, recv_base):
         a.setflags(write=False)
-    return CastTables(transport, cp, int(length), send_ranges, recv_base, int(t.pair_max), shifts, t)
+    pair_max = int(t.pair_max) if pair_capacity is None else int(pair_capacity)
+    return CastTables(transport, cp, int(length), send_ranges, recv_base, pair_max, shifts, t)
+
+
+def _at_least(name: str, capacity: int, need: int) -> int:
+    if capacity < need:
+        raise ValueError(f"{name}: {capacity} is less than the {need} these transfers need")
+    return int(capacity)
+
+
+# In a jitted function's arguments, tables are their arrays (traced), the rest static: tables of one shape and
+# transport share a compilation. The host-side fields (recv_base, transfers) do not travel.
+jax.tree_util.register_pytree_node(
+    CastTables,
+    lambda t: ((t.send_ranges,), (t.transport, t.cp, t.buffer_len, t.pair_max, t.shifts)),
+    lambda aux, leaves: CastTables(aux[0], aux[1], aux[2], leaves[0], None, aux[3], aux[4], None))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,6 +6,10 @@
     out = magi_jax.undispatch(out_d, plan)                               # dispatched -> global
     pos = magi_jax.position_ids(plan)                                    # for RoPE on dispatched tokens
 
+A plan closed over is a constant of the compiled step. ``plan_tables(plan, capacity)`` makes it run-time data
+instead: a pytree of int32 arrays padded to a ``PlanCapacity``, passed to the jitted step as an argument, so
+that the plans of every mask that fits the capacity share one compilation; it goes wherever a plan goes.
+
 Per rank (``calc_attn_local``, the body of calc_attn's shard_map), for a plan with stages 0..n-1:
 
     forward   group_cast(stage i keys) for every i      -- depend on the local k, v only; K and V of a key
@@ -93,12 +97,15 @@ def _bound_plan(mask: AttnMask, mesh: Mesh, axis: str, kw: tuple) -> MeshPlan:
     return MeshPlan(make_plan(mask, int(mesh.shape[axis]), axis=axis, **dict(kw)), mesh)
 
 
-def _split(plan_like, mesh: Mesh | None) -> tuple[DistAttnPlan, Mesh | None]:
+def _split(plan_like, mesh: Mesh | None) -> tuple[DistAttnPlan | PlanTables, Mesh | None]:
     if isinstance(plan_like, MeshPlan):
         return plan_like.plan, mesh or plan_like.mesh
+    if isinstance(plan_like, PlanTables):
+        return plan_like, mesh or plan_like.spec.mesh
     if isinstance(plan_like, DistAttnPlan):
         return plan_like, mesh
-    raise TypeError(f"plan: expected a magi_jax.plan(...) or DistAttnPlan, got {type(plan_like).__name__}")
+    raise TypeError("plan: expected a magi_jax.plan(...), magi_jax.plan_tables(...) or DistAttnPlan, got "
+                    f"{type(plan_like).__name__}")
 
 
 def _need_mesh(p: DistAttnPlan, mesh: Mesh | None, what: str) -> Mesh:
@@ -147,7 +154,7 @@ def _spec(mesh: Mesh, p: DistAttnPlan, shape: tuple, seq_dim: int, batch_axes, h
 
 
 # ---------------------------------------------------------------------------------------------------------
-# dispatch / undispatch / position_ids: the plan's static permutation, each the other's transpose.
+# dispatch / undispatch / position_ids: the plan's permutation, each the other's transpose.
 
 def _explicit_sharding(x):
     """x's NamedSharding when it is typed with Explicit mesh axes (jax.make_mesh's default), else None."""
@@ -160,7 +167,7 @@ def _explicit_sharding(x):
 
 
 def _take(x, index: np.ndarray, seq_dim: int):
-    """jnp.take along seq_dim by a static index; with Explicit axes the token dim is first gathered whole
+    """jnp.take along seq_dim (index static or traced); with Explicit axes the token dim is first gathered whole
     (the other dims keep their sharding), as Auto axes do implicitly."""
     sharding = _explicit_sharding(x)
     if sharding is not None:
@@ -171,32 +178,32 @@ def _take(x, index: np.ndarray, seq_dim: int):
     return jnp.take(x, jnp.asarray(index), axis=seq_dim)
 
 
-def _pad_take(x, p: DistAttnPlan, seq_dim: int):
+def _pad_take(x, take, padded_len: int, seq_dim: int):
     pad = [(0, 0)] * x.ndim
-    pad[seq_dim] = (0, p.padded_seqlen - p.seqlen)
-    return _take(jnp.pad(x, pad), p.position_ids(), seq_dim)
+    pad[seq_dim] = (0, padded_len - x.shape[seq_dim])
+    return _take(jnp.pad(x, pad), take, seq_dim)
 
 
-def _drop_take(x, p: DistAttnPlan, seq_dim: int):
-    return _take(x, p.undispatch_perm, seq_dim)
-
-
-# The permutations' gradients are each other (a gather, not the scatter-add autodiff would make). With
+# dispatch: x padded to padded_len, then taken at `take` (position_ids); undispatch: taken at `back`
+# (undispatch_perm). The permutations' gradients are each other (a gather, not the scatter-add autodiff would
+# make); the index arrays are arguments (static plans: constants; PlanTables: traced) with no gradient. With
 # Explicit mesh axes, whose cotangents must carry the primal's sharding type, autodiff's transpose is used.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _dispatch(x, p, seq_dim):
-    return _pad_take(x, p, seq_dim)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dispatch(x, take, back, padded_len, seq_dim):
+    return _pad_take(x, take, padded_len, seq_dim)
 
 
-_dispatch.defvjp(lambda x, p, d: (_pad_take(x, p, d), None), lambda p, d, _, g: (_drop_take(g, p, d),))
+_dispatch.defvjp(lambda x, take, back, n, d: (_pad_take(x, take, n, d), (take, back)),
+                 lambda n, d, res, g: (_take(g, res[1], d), None, None))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _undispatch(x, p, seq_dim):
-    return _drop_take(x, p, seq_dim)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _undispatch(x, take, back, padded_len, seq_dim):
+    return _take(x, back, seq_dim)
 
 
-_undispatch.defvjp(lambda x, p, d: (_drop_take(x, p, d), None), lambda p, d, _, g: (_pad_take(g, p, d),))
+_undispatch.defvjp(lambda x, take, back, n, d: (_take(x, back, d), (take, back)),
+                   lambda n, d, res, g: (_pad_take(g, res[0], n, d), None, None))
 
 
 def _check_seq(name: str, x, seq_dim: int, expect: int, what: str) -> int:
@@ -235,8 +242,12 @@ def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, m
     p, mesh = _split(plan, mesh)
     x = jnp.asarray(x)
     seq_dim = _check_seq("x", x, seq_dim, p.seqlen, "the plan's seqlen")
-    permute = _pad_take if _explicit_sharding(x) is not None else _dispatch
-    return _constrain(permute(x, p, seq_dim), mesh, p, seq_dim, batch_axes)
+    take, back = p.position_ids(), p.undispatch_perm
+    if _explicit_sharding(x) is not None:
+        y = _pad_take(x, take, p.padded_seqlen, seq_dim)
+    else:
+        y = _dispatch(x, take, back, p.padded_seqlen, seq_dim)
+    return _constrain(y, mesh, p, seq_dim, batch_axes)
 
 
 def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, mesh: Mesh | None = None
@@ -246,7 +257,9 @@ def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0,
     p, mesh = _split(plan, mesh)
     x = jnp.asarray(x)
     seq_dim = _check_seq("x", x, seq_dim, p.padded_seqlen, "the plan's padded_seqlen")
-    return (_drop_take if _explicit_sharding(x) is not None else _undispatch)(x, p, seq_dim)
+    if _explicit_sharding(x) is not None:
+        return _take(x, p.undispatch_perm, seq_dim)
+    return _undispatch(x, p.position_ids(), p.undispatch_perm, p.padded_seqlen, seq_dim)
 
 
 def position_ids(plan: MeshPlan | DistAttnPlan, *, mesh: Mesh | None = None) -> jax.Array:
@@ -256,7 +269,8 @@ def position_ids(plan: MeshPlan | DistAttnPlan, *, mesh: Mesh | None = None) -> 
     ids = jnp.asarray(p.position_ids())
     if mesh is None:
         return ids
-    return jax.device_put(ids, NamedSharding(_need_mesh(p, mesh, "position_ids"), P(p.axis)))
+    sharding = NamedSharding(_need_mesh(p, mesh, "position_ids"), P(p.axis))
+    return _place(ids, mesh, sharding.spec) if isinstance(ids, jax.core.Tracer) else jax.device_put(ids, sharding)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -282,22 +296,163 @@ class RunTables:
     fused: tuple[np.ndarray, np.ndarray, np.ndarray] | None
 
 
+# Arrays as pytree leaves, the rest (stage count, buffer lengths, transports) as structure: in a jitted
+# function's arguments, tables of one shape share a compilation (PlanTables).
+jax.tree_util.register_pytree_node(StageRun, lambda r: ((r.tables, r.slices), None),
+                                   lambda _, c: StageRun(*c))
+jax.tree_util.register_pytree_node(RunTables, lambda r: ((r.host, r.stages, r.fused), None),
+                                   lambda _, c: RunTables(*c))
+
+
 @functools.lru_cache(maxsize=64)
-def run_tables(p: DistAttnPlan, transport: str = "auto") -> RunTables:
-    """The runtime tables of a plan (cached)."""
+def run_tables(p: DistAttnPlan, transport: str = "auto", capacity: PlanCapacity | None = None) -> RunTables:
+    """The runtime tables of a plan (cached); with a ``capacity``, padded to its shapes (all_to_all)."""
     host = (p.host.q_ranges, p.host.k_ranges, p.host.types)
     stages = []
     for st in p.stages:
-        tables = cast_tables(st.transfers, transport)
+        if capacity is None:
+            tables = cast_tables(st.transfers, transport)
+        else:
+            tables = cast_tables(st.transfers, "all_to_all", capacity.stage_keys, capacity.transfer_rows)
         k = tables.remap_keys(st.slices.k_ranges)
         stages.append(StageRun(tables, (st.slices.q_ranges, k, st.slices.types)))
+    if capacity is not None:
+        host = _pad_to(host, capacity.slices)
+        stages = [StageRun(st.tables, _pad_to(st.slices, capacity.slices)) for st in stages]
+        stages += [_empty_stage(p.cp, capacity) for _ in range(capacity.stages - len(stages))]
     fused = None
     if stages:
         offsets = np.cumsum([p.local_len] + [st.tables.buffer_len for st in stages])
         fused = _concat_slices([host] + [st.slices for st in stages], [0, *offsets[:-1]])
+        if capacity is not None:
+            fused = _pad_to(fused, capacity.slices * (1 + capacity.stages))
         for a in fused:
             a.setflags(write=False)
     return RunTables(host, tuple(stages), fused)
+
+
+def _pad_to(slices, n: int):
+    """Slices [cp, N, ...] padded with empty ones to [cp, n, ...]."""
+    have = slices[0].shape[1]
+    if have > n:
+        raise ValueError(f"capacity: slices {n} is less than the {have} this plan needs")
+    return tuple(np.pad(a, [(0, 0), (0, n - have)] + [(0, 0)] * (a.ndim - 2)) for a in slices)
+
+
+def _empty_stage(cp: int, capacity: PlanCapacity) -> StageRun:
+    """A stage that moves and computes nothing, in the capacity's shapes (plans with fewer stages)."""
+    tables = CastTables("all_to_all", cp, cp * capacity.stage_keys,
+                        np.zeros((cp, capacity.transfer_rows, 3), np.int32), None, capacity.stage_keys, (), None)
+    slices = (np.zeros((cp, capacity.slices, 2), np.int32), np.zeros((cp, capacity.slices, 2), np.int32),
+              np.zeros((cp, capacity.slices), np.int32))
+    return StageRun(tables, slices)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plans as run-time data: every plan that fits one PlanCapacity has tables of the same shapes, so a jitted
+# step that takes them as an argument compiles once for all of them (packed batches of new documents).
+
+@dataclass(frozen=True)
+class PlanCapacity:
+    """Shapes that plans of different masks (same sequence length, mesh and chunk size) share: overlap
+    ``stages`` (plans with fewer get empty ones), ``stage_keys`` keys any rank sends any other in one stage
+    (the all_to_all block), ``transfer_rows`` key ranges a rank packs per stage, and ``slices`` per rank
+    and attention call. ``PlanCapacity.of(plans, headroom)`` covers given plans."""
+
+    stages: int
+    stage_keys: int
+    transfer_rows: int
+    slices: int
+
+    def __post_init__(self):
+        for name in ("stages", "stage_keys", "transfer_rows", "slices"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+
+    @classmethod
+    def of(cls, plans, headroom: float = 1.0) -> PlanCapacity:
+        """The smallest capacity holding every plan of ``plans`` (MeshPlan or DistAttnPlan; a PlanCapacity
+        there counts as its fields), each field but ``stages`` times ``headroom`` (>= 1) and rounded up, so
+        that later plans of similar masks fit too."""
+        if not headroom >= 1.0:
+            raise ValueError(f"headroom: must be >= 1, got {headroom}")
+        need = np.ones(4, np.int64)
+        for mp in plans:
+            if isinstance(mp, PlanCapacity):
+                need = np.maximum(need, [mp.stages, mp.stage_keys, mp.transfer_rows, mp.slices])
+                continue
+            p = mp.plan if isinstance(mp, MeshPlan) else mp
+            slices = [p.host.types.shape[1]] + [st.slices.types.shape[1] for st in p.stages]
+            rows = [cast_tables(st.transfers, "all_to_all").send_ranges.shape[1] for st in p.stages]
+            keys = [st.transfers.pair_max for st in p.stages]
+            need = np.maximum(need, [p.num_stages, max(keys, default=1), max(rows, default=1), max(slices)])
+        stages = int(need[0])   # stages are not padded by the headroom: an empty stage still moves its block
+        return cls(stages, *(int(np.ceil(x * headroom)) for x in need[1:]))
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """The static part of PlanTables: what a compiled step depends on."""
+
+    cp: int
+    axis: str
+    seqlen: int
+    padded_seqlen: int
+    local_len: int
+    overlap_degree: int      # 0: fetch all, one fused call; else capacity.stages
+    capacity: PlanCapacity
+    mesh: Mesh | None
+
+
+@dataclass(frozen=True, eq=False)
+class PlanTables:
+    """A plan's tables padded to a PlanCapacity: a pytree whose leaves are int32 arrays (the slices, the
+    transfer tables, the permutation) and whose structure is ``spec``. Pass it to a jitted step as an
+    argument: plans of other masks that fit the same capacity reuse the compilation. Use it wherever a plan
+    goes (calc_attn, calc_attn_local, dispatch, undispatch, position_ids)."""
+
+    spec: PlanSpec
+    run: RunTables
+    dispatch_index: Any      # int32 [padded_seqlen]: position_ids()
+    undispatch_index: Any    # int32 [seqlen]
+
+    cp = property(lambda self: self.spec.cp)
+    axis = property(lambda self: self.spec.axis)
+    seqlen = property(lambda self: self.spec.seqlen)
+    padded_seqlen = property(lambda self: self.spec.padded_seqlen)
+    local_len = property(lambda self: self.spec.local_len)
+    overlap_degree = property(lambda self: self.spec.overlap_degree)
+    undispatch_perm = property(lambda self: self.undispatch_index)
+
+    def position_ids(self):
+        return self.dispatch_index
+
+    def __repr__(self) -> str:
+        return f"PlanTables({self.spec})"
+
+
+jax.tree_util.register_pytree_node(
+    PlanTables, lambda t: ((t.run, t.dispatch_index, t.undispatch_index), t.spec),
+    lambda spec, c: PlanTables(spec, *c))
+
+
+def plan_tables(plan: MeshPlan | DistAttnPlan, capacity: PlanCapacity) -> PlanTables:
+    """``plan``'s tables padded to ``capacity`` (ValueError naming the field it exceeds), for passing to a
+    jitted step as an argument. The transport is all_to_all."""
+    if not isinstance(capacity, PlanCapacity):
+        raise TypeError(f"capacity: expected a PlanCapacity, got {type(capacity).__name__}")
+    p, mesh = _split(plan, None)
+    if isinstance(p, PlanTables):
+        raise TypeError("plan: already PlanTables")
+    need = PlanCapacity.of([p])
+    for name in ("stages", "stage_keys", "transfer_rows", "slices"):
+        if getattr(capacity, name) < getattr(need, name):
+            raise ValueError(f"capacity: {name} {getattr(capacity, name)} is less than the {getattr(need, name)} "
+                             "this plan needs")
+    degree = 0 if p.overlap_degree == 0 else capacity.stages
+    spec = PlanSpec(p.cp, p.axis, p.seqlen, p.padded_seqlen, p.local_len, degree, capacity, mesh)
+    return PlanTables(spec, run_tables(p, "all_to_all", capacity), p.position_ids(), p.undispatch_perm)
 
 
 def _concat_slices(sets, key_offsets):
@@ -315,8 +470,9 @@ def _concat_slices(sets, key_offsets):
 
 @dataclass(frozen=True)
 class _Config:
-    plan: DistAttnPlan
-    transport: str
+    cp: int
+    axis: str
+    fused: bool      # overlap degree 0: fetch everything, then one call each way
     scale: float
     softcap: float
     deterministic: bool
@@ -324,13 +480,9 @@ class _Config:
     backward: str
     sm_margin: int
 
-    @property
-    def tables(self) -> RunTables:
-        return run_tables(self.plan, self.transport)
-
 
 def _rank(cfg: _Config):
-    return 0 if cfg.plan.cp == 1 else jax.lax.axis_index(cfg.plan.axis)
+    return 0 if cfg.cp == 1 else jax.lax.axis_index(cfg.axis)
 
 
 def _rows(slices, r):
@@ -353,15 +505,15 @@ def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, kv2=None, **dq_chai
     return grads[:4] if kv2 is not None else grads[:3]
 
 
-def _fetch(k, v, cfg: _Config) -> list:
+def _fetch(k, v, tabs: RunTables, cfg: _Config) -> list:
     """Every stage's receive buffer, K and V packed [buffer_len, 2, Hkv, D]: one collective per stage."""
-    return [group_cast((k, v), st.tables, cfg.plan.axis, packed=True)[0] for st in cfg.tables.stages]
+    return [group_cast((k, v), st.tables, cfg.axis, packed=True)[0] for st in tabs.stages]
 
 
-def _forward(q, k, v, cfg: _Config):
-    tabs, r = cfg.tables, _rank(cfg)
-    recv = _fetch(k, v, cfg)
-    if cfg.plan.overlap_degree == 0 and recv:
+def _forward(q, k, v, tabs: RunTables, cfg: _Config):
+    r = _rank(cfg)
+    recv = _fetch(k, v, tabs, cfg)
+    if cfg.fused and recv:
         return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
     # The host call runs under the transfers; stage i's under those of the stages after it. Each stage call
     # merges its part into the out and lse so far, in place (no merge pass over all parts after them).
@@ -378,7 +530,8 @@ def _concat_kv(k, v, recv):
 
 def _backward(cfg: _Config, res, cts):
     q, k, v = res[:3]
-    return tuple(match_varying((g,), x)[0] for g, x in zip(_backward_body(cfg, res, cts), (q, k, v)))
+    grads = _backward_body(cfg, res, cts)
+    return (*(match_varying((g,), x)[0] for g, x in zip(grads, (q, k, v))), None)
 
 
 def _add_partials(backs, tables, axis, local):
@@ -396,19 +549,19 @@ def _add_partials(backs, tables, axis, local):
 
 
 def _backward_body(cfg: _Config, res, cts):
-    q, k, v, out, lse = res
+    q, k, v, tabs, out, lse = res
     dout, dlse = cts
     dout, dlse = dout.astype(q.dtype), dlse.astype(jnp.float32)
-    tabs, r, axis = cfg.tables, _rank(cfg), cfg.plan.axis
+    r, axis = _rank(cfg), cfg.axis
     wire = cfg.wire_dtype and jnp.dtype(cfg.wire_dtype)
     if not tabs.stages:
         return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
     # The re-fetch is the forward's group_cast again: in one jitted module XLA merges the two, so the
     # forward's receive buffers are reused rather than fetched twice. The kernels read them packed as they
     # are and return their dK and dV packed the same way: one collective per stage each way.
-    recv = _fetch(k, v, cfg)
+    recv = _fetch(k, v, tabs, cfg)
     tables = [st.tables for st in tabs.stages]
-    if cfg.backward == "fused" or cfg.plan.overlap_degree == 0:
+    if cfg.backward == "fused" or cfg.fused:
         # One call over concat(local, every receive buffer): one preprocess, one dQ accumulator and one
         # kernel tail instead of one per stage; the partials then travel back (not overlapped). The local
         # keys and the received ones are the call's two key sources: neither is copied into a concatenation,
@@ -449,14 +602,15 @@ def _backward_body(cfg: _Config, res, cts):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attn(q, k, v, cfg):
-    return _forward(q, k, v, cfg)
+# The tables are an argument (no gradient): constants for a static plan, traced for PlanTables.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attn(q, k, v, tabs, cfg):
+    return _forward(q, k, v, tabs, cfg)
 
 
-def _attn_fwd(q, k, v, cfg):
-    out, lse = ffa.named_for_checkpoint(*_forward(q, k, v, cfg))
-    return (out, lse), (q, k, v, out, lse)
+def _attn_fwd(q, k, v, tabs, cfg):
+    out, lse = ffa.named_for_checkpoint(*_forward(q, k, v, tabs, cfg))
+    return (out, lse), (q, k, v, tabs, out, lse)
 
 
 _attn.defvjp(_attn_fwd, _backward)
@@ -469,21 +623,23 @@ BACKWARDS = ("staged", "fused")
 SM_MARGIN = 0
 
 
-def _config(p: DistAttnPlan, head_dim: int, softmax_scale, softcap, deterministic, transport, wire_dtype,
-            backward, sm_margin) -> _Config:
+def _config(p: DistAttnPlan | PlanTables, head_dim: int, softmax_scale, softcap, deterministic, transport,
+            wire_dtype, backward, sm_margin) -> _Config:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
+    if isinstance(p, PlanTables) and transport == "ppermute":
+        raise ValueError("transport: PlanTables move keys with all_to_all; got 'ppermute'")
     if backward not in BACKWARDS:
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     if not softcap >= 0.0:
         raise ValueError(f"softcap: must be >= 0, got {softcap}")
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
-    return _Config(p, transport, float(scale), float(softcap), bool(deterministic), wire, backward,
-                   ffa.check_sm_margin(sm_margin))
+    return _Config(p.cp, p.axis, p.overlap_degree == 0, float(scale), float(softcap), bool(deterministic), wire,
+                   backward, ffa.check_sm_margin(sm_margin))
 
 
-def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
+def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
                     transport: str = "auto", reduce_wire_dtype=None, backward: str = "staged",
                     sm_margin: int = SM_MARGIN
@@ -501,7 +657,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     forward+backward on 2 H200s, BENCHMARKS.md 2026-11-30 08:23); ``sm_margin``: SMs that the forward calls
     running beside a group_cast leave free for it (flex_flash_attn's sm_margin; default 0: the collective,
     launched first, keeps its SMs and the call's CTAs there join later); the rest as flex_flash_attn.
-    A plan with cp == 1 also runs outside any shard_map."""
+    A plan with cp == 1 also runs outside any shard_map. ``plan`` may be PlanTables (plan_tables), whose
+    arrays the caller passes into its shard_map replicated."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim not in (3, 4):
@@ -513,13 +670,14 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
                   backward, sm_margin)
+    tabs = p.run if isinstance(p, PlanTables) else run_tables(p, transport)
     if q.ndim == 3:
-        return _attn(q, k, v, cfg)
-    outs = [_attn(q[b], k[b], v[b], cfg) for b in range(q.shape[0])]
+        return _attn(q, k, v, tabs, cfg)
+    outs = [_attn(q[b], k[b], v[b], tabs, cfg) for b in range(q.shape[0])]
     return jnp.stack([o for o, _ in outs]), jnp.stack([lse for _, lse in outs])
 
 
-def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan, *,
+def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *,
               mesh: Mesh | None = None, batch_axes="auto", head_axes=None, **options
               ) -> tuple[jax.Array, jax.Array]:
     """Attention of dispatched q [T, Hq, D] over dispatched k, v [T, Hkv, D] (T = plan.padded_seqlen) with
@@ -540,9 +698,17 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     seq_dim = q.ndim - 3
     spec = _spec(mesh, p, q.shape, seq_dim, batch_axes, head_axes, seq_dim + 1)
     lse_spec = P(*tuple(spec)[:-1])
+    if isinstance(p, PlanTables):   # the tables enter the shard_map whole (each rank takes its row)
+        body = functools.partial(_local_with_tables, spec=p.spec, options=options)
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P()),
+                             out_specs=(spec, lse_spec))(q, k, v, p.run)
     body = functools.partial(calc_attn_local, plan=p, **options)
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))(q, k, v)
 
 
+def _local_with_tables(q, k, v, run: RunTables, spec: PlanSpec, options: dict):
+    return calc_attn_local(q, k, v, PlanTables(spec, run, None, None), **options)
+
+
 __all__ = ["MeshPlan", "plan", "dispatch", "undispatch", "position_ids", "calc_attn", "calc_attn_local",
-           "run_tables", "RunTables", "StageRun", "BACKWARDS"]
+           "PlanCapacity", "PlanTables", "plan_tables", "run_tables", "RunTables", "StageRun", "BACKWARDS"]

@@ -12,7 +12,8 @@ import magi_jax as mj
 from magi_jax import comm, masks
 from tests.conftest import has_gpu
 from tests.test_dist_helpers import (DOCS, assert_packed_range_ops_equal_separate, async_overlap, check_dist,
-                                     collective_dependencies, families, mesh_of, random_mask, remat_grads)
+                                     check_plan_tables, collective_dependencies, families, mesh_of, random_mask,
+                                     remat_grads)
 
 
 def _two_gpus() -> bool:
@@ -144,6 +145,15 @@ def test_gqa_2gpu(hq, hkv, overlap):
 def test_fp16_head_dim_64_2gpu():
     check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=2, hq=4, hkv=2, dtype=jnp.float16, d=64,
                chunk_size=128)
+
+
+@pytest.mark.parametrize("overlap, backward", [(1, "staged"), (2, "fused")])
+def test_plan_tables_2gpu(overlap, backward):
+    """Masks of one length as run-time data: one compiled function, each mask right (bf16, head dim 128)."""
+    total = sum(GDOCS)
+    mask_list = [masks.varlen_causal(GDOCS), masks.varlen_causal([700, 13, total - 713]),
+                 masks.sliding_window([900, total - 900], 300), random_mask(7, total=total)]
+    check_plan_tables(mask_list, gpu_mesh(), overlap=overlap, hq=4, hkv=2, **BF16, backward=backward)
 
 
 def test_jitted_training_step_2gpu():

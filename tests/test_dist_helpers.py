@@ -78,6 +78,33 @@ def check_dist(mask: AttnMask, mesh: Mesh, *, overlap=2, chunk_size=16, hq=2, hk
     return mp
 
 
+def check_plan_tables(mask_list, mesh: Mesh, *, overlap=1, chunk_size=16, hq=2, hkv=2, d=64, dtype=np.float32,
+                      seed=0, **options) -> list:
+    """The global round trip of check_dist for masks of one length through one jitted function taking
+    their PlanTables (one PlanCapacity for all) as an argument: each against the float64 reference, and
+    one trace for all. Returns the tables."""
+    plans = [mj.plan(m, mesh, chunk_size=chunk_size, overlap=overlap, num_heads_q=hq, num_heads_kv=hkv,
+                     head_dim=d) for m in mask_list]
+    capacity = mj.PlanCapacity.of(plans, headroom=1.25)
+    tables = [mj.plan_tables(mp, capacity) for mp in plans]
+    traces = []
+
+    @jax.jit
+    def fn(q, k, v, t):
+        traces.append(1)
+        qd, kd, vd = (mj.dispatch(x, t) for x in (q, k, v))
+        out, lse = mj.calc_attn(qd, kd, vd, t, **options)
+        return mj.undispatch(out, t), mj.undispatch(lse, t)
+
+    rng = np.random.default_rng(seed)
+    total = mask_list[0].total_seqlen_q
+    q, k, v = random_qkv(rng, total, total, hq, hkv, d, dtype)
+    for mp, t in zip(plans, tables):
+        check_against_reference(lambda q, k, v: fn(q, k, v, t), mp.mask, q, k, v, rng)
+    assert len(traces) == 1, f"{len(traces)} traces for {len(plans)} plans of one capacity"
+    return tables
+
+
 def remat_grads(mask: AttnMask, mesh: Mesh, *, chunk_size=16, hq=2, d=64, dtype=np.float32, **options):
     """remat_grads_and_calls of a loss through calc_attn's out and lse, and the plan."""
     mp = mj.plan(mask, mesh, chunk_size=chunk_size, overlap=2, num_heads_q=hq, head_dim=d)

@@ -1,0 +1,118 @@
+"""Plans as run-time data (PlanTables): masks of one sequence length padded to one PlanCapacity share a
+compiled step, and each gives its own mask's attention (against the float64 reference), on CPU devices."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import magi_jax as mj
+from magi_jax import masks
+from tests.test_dist_helpers import check_plan_tables, mesh_of, random_mask
+
+TOTAL = 380
+
+
+def _masks():
+    """Masks of TOTAL tokens: packed documents of other lengths, other families, arbitrary slices."""
+    return [masks.varlen_causal([61, 7, 90, 1, 18, 127, 4, 72]),
+            masks.varlen_causal([200, 3, 177]),
+            masks.sliding_window([150, 230], 40),
+            masks.block_causal([100, 280], 32),
+            random_mask(5, total=TOTAL)]
+
+
+def _plans(mesh, overlap, hq=2, hkv=2, d=64):
+    return [mj.plan(m, mesh, chunk_size=16, overlap=overlap, num_heads_q=hq, num_heads_kv=hkv, head_dim=d)
+            for m in _masks()]
+
+
+@pytest.mark.parametrize("cp, overlap, backward", [(2, 1, "staged"), (4, 2, "staged"), (4, 2, "fused"),
+                                                    (8, 0, "staged")])
+def test_masks_share_one_compilation_and_each_is_right(cp, overlap, backward):
+    tables = check_plan_tables(_masks(), mesh_of(cp), overlap=overlap, seed=cp, backward=backward)
+    assert len({jax.tree.structure(t) for t in tables}) == 1
+    assert len({tuple(x.shape for x in jax.tree.leaves(t)) for t in tables}) == 1
+
+
+def test_training_step_compiles_once_for_new_documents_every_step():
+    """A jitted step (loss, gradients, update) taking the tables as an argument: a new packing of documents
+    every step, one compilation; position_ids from the tables."""
+    mesh = mesh_of(4)
+    H, D = 2, 64
+    rng = np.random.default_rng(0)
+    lengths = [list(rng.multinomial(TOTAL - 10 * n, np.ones(n) / n) + 10) for n in (3, 5, 8, 4)]
+    plans = [mj.plan(masks.varlen_causal(ls), mesh, chunk_size=16, overlap=1, num_heads_q=H, head_dim=D)
+             for ls in lengths]
+    capacity = mj.PlanCapacity.of(plans, headroom=1.5)
+    w = jax.device_put(jnp.asarray(rng.standard_normal((3, H, D, D)) / 8, jnp.float32), NamedSharding(mesh, P()))
+    x = jnp.asarray(rng.standard_normal((TOTAL, H, D)), jnp.float32)
+
+    @jax.jit
+    def step(w, x, t):
+        def loss(w):
+            xd = mj.dispatch(x, t)
+            pos = mj.position_ids(t).astype(jnp.float32)[:, None, None]
+            q, k, v = (jnp.einsum("thd,hde->the", xd, w[i]) for i in range(3))
+            out, _ = mj.calc_attn(q + 1e-3 * pos, k, v, t)
+            return jnp.mean(out ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        return w - 0.1 * g, value, g
+
+    for mp in plans:
+        t = mj.plan_tables(mp, capacity)
+        _, value, g = step(w, x, t)
+
+        def want_loss(w):      # the same loss on one device with the plan's own mask
+            pos = jnp.asarray(mp.position_ids(), jnp.float32)
+            pos = jnp.take(pos, jnp.asarray(mp.undispatch_perm))[:, None, None]
+            q, k, v = (jnp.einsum("thd,hde->the", x, w[i]) for i in range(3))
+            out, _ = mj.flex_flash_attn(q + 1e-3 * pos, k, v, mask=mp.mask)
+            return jnp.sum(out ** 2) / (mp.padded_seqlen * H * D)
+        want, want_g = jax.value_and_grad(want_loss)(w)
+        np.testing.assert_allclose(value, want, rtol=1e-4)
+        np.testing.assert_allclose(g, want_g, rtol=1e-3, atol=1e-6)
+    assert step._cache_size() == 1
+
+
+def test_dispatch_then_undispatch_is_identity_with_tables():
+    mesh = mesh_of(4)
+    plans = _plans(mesh, 2)
+    capacity = mj.PlanCapacity.of(plans)
+    fn = jax.jit(lambda x, t: mj.undispatch(mj.dispatch(x, t), t))
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((TOTAL, 3)), jnp.float32)
+    for mp in plans:
+        t = mj.plan_tables(mp, capacity)
+        np.testing.assert_array_equal(fn(x, t), x)
+        np.testing.assert_array_equal(mj.dispatch(x, t), mj.dispatch(x, mp))
+        np.testing.assert_array_equal(mj.position_ids(t), mj.position_ids(mp))
+    assert fn._cache_size() == 1
+
+
+def test_capacity_of_covers_and_errors_name_the_field():
+    mesh = mesh_of(4)
+    plans = _plans(mesh, 2)
+    exact = mj.PlanCapacity.of(plans)
+    for mp in plans:
+        mj.plan_tables(mp, exact)          # every plan fits the capacity made of them
+    big = max(plans, key=lambda mp: mj.PlanCapacity.of([mp]).stage_keys)
+    need = mj.PlanCapacity.of([big])
+    for field in ("stage_keys", "transfer_rows", "slices", "stages"):
+        value = getattr(need, field) - 1
+        if value < 1:
+            continue
+        small = mj.PlanCapacity(**{**need.__dict__, field: value})
+        with pytest.raises(ValueError, match=field):
+            mj.plan_tables(big, small)
+    with pytest.raises(ValueError, match="slices"):
+        mj.PlanCapacity(stages=1, stage_keys=8, transfer_rows=2, slices=0)
+    with pytest.raises(ValueError, match="headroom"):
+        mj.PlanCapacity.of(plans, headroom=0.5)
+    with pytest.raises(TypeError, match="capacity"):
+        mj.plan_tables(plans[0], {"stages": 1})
+    with pytest.raises(ValueError, match="transport"):
+        t = mj.plan_tables(plans[0], exact)
+        mj.calc_attn(*(jnp.zeros((t.padded_seqlen, 2, 64)),) * 3, t, transport="ppermute")
