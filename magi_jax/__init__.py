@@ -1,10 +1,11 @@
 """magi_jax: flexible-mask (MagiAttention-style) attention for JAX, on one device and over many."""
 
 from magi_jax import masks
-from magi_jax.dist_attn import (MeshPlan, PlanCapacity, PlanTables, calc_attn, calc_attn_local, dispatch, plan,
-                                plan_tables, position_ids, undispatch)
+from magi_jax.dist_attn import (MeshPlan, PlanTables, calc_attn, calc_attn_local, dispatch, plan, plan_tables,
+                                position_ids, undispatch)
 from magi_jax.ffa import CHECKPOINT_NAMES, flex_flash_attn
 from magi_jax.mask import AttnMask, AttnMaskType
+from magi_jax.planner import PlanCapacity
 
 __all__ = ["AttnMask", "AttnMaskType", "flex_flash_attn", "masks", "MeshPlan", "plan", "dispatch", "undispatch",
            "position_ids", "calc_attn", "calc_attn_local", "PlanCapacity", "PlanTables", "plan_tables",

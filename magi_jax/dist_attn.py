@@ -49,7 +49,7 @@ from magi_jax._ffi import match_varying
 from magi_jax.comm import (TRANSPORTS, CastTables, accumulate_partials, cast_tables, group_cast,
                            return_partials)
 from magi_jax.mask import AttnMask
-from magi_jax.planner.plan import DistAttnPlan, make_plan
+from magi_jax.planner.plan import DistAttnPlan, PlanCapacity, make_plan
 from magi_jax.planner.slices import pad_slices
 
 
@@ -353,45 +353,6 @@ def _empty_stage(cp: int, capacity: PlanCapacity) -> StageRun:
 # step that takes them as an argument compiles once for all of them (packed batches of new documents).
 
 @dataclass(frozen=True)
-class PlanCapacity:
-    """Shapes that plans of different masks (same sequence length, mesh and chunk size) share: overlap
-    ``stages`` (plans with fewer get empty ones), ``stage_keys`` keys any rank sends any other in one stage
-    (the all_to_all block), ``transfer_rows`` key ranges a rank packs per stage, and ``slices`` per rank
-    and attention call. ``PlanCapacity.of(plans, headroom)`` covers given plans."""
-
-    stages: int
-    stage_keys: int
-    transfer_rows: int
-    slices: int
-
-    def __post_init__(self):
-        for name in ("stages", "stage_keys", "transfer_rows", "slices"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name}: must be a positive int, got {value!r}")
-
-    @classmethod
-    def of(cls, plans, headroom: float = 1.0) -> PlanCapacity:
-        """The smallest capacity holding every plan of ``plans`` (MeshPlan or DistAttnPlan; a PlanCapacity
-        there counts as its fields), each field but ``stages`` times ``headroom`` (>= 1) and rounded up, so
-        that later plans of similar masks fit too."""
-        if not headroom >= 1.0:
-            raise ValueError(f"headroom: must be >= 1, got {headroom}")
-        need = np.ones(4, np.int64)
-        for mp in plans:
-            if isinstance(mp, PlanCapacity):
-                need = np.maximum(need, [mp.stages, mp.stage_keys, mp.transfer_rows, mp.slices])
-                continue
-            p = mp.plan if isinstance(mp, MeshPlan) else mp
-            slices = [p.host.types.shape[1]] + [st.slices.types.shape[1] for st in p.stages]
-            rows = [cast_tables(st.transfers, "all_to_all").send_ranges.shape[1] for st in p.stages]
-            keys = [st.transfers.pair_max for st in p.stages]
-            need = np.maximum(need, [p.num_stages, max(keys, default=1), max(rows, default=1), max(slices)])
-        stages = int(need[0])   # stages are not padded by the headroom: an empty stage still moves its block
-        return cls(stages, *(int(np.ceil(x * headroom)) for x in need[1:]))
-
-
-@dataclass(frozen=True)
 class PlanSpec:
     """The static part of PlanTables: what a compiled step depends on."""
 
@@ -445,7 +406,7 @@ def plan_tables(plan: MeshPlan | DistAttnPlan, capacity: PlanCapacity) -> PlanTa
     p, mesh = _split(plan, None)
     if isinstance(p, PlanTables):
         raise TypeError("plan: already PlanTables")
-    need = PlanCapacity.of([p])
+    need = p.capacity()
     for name in ("stages", "stage_keys", "transfer_rows", "slices"):
         if getattr(capacity, name) < getattr(need, name):
             raise ValueError(f"capacity: {name} {getattr(capacity, name)} is less than the {getattr(need, name)} "

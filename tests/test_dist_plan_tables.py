@@ -144,3 +144,19 @@ def test_calc_attn_local_takes_tables_through_a_user_shard_map():
         for a, b in zip(g_user, g_ours):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert user._cache_size() == 1
+
+
+def test_plan_capacity_is_the_shapes_of_the_plans_own_tables():
+    """DistAttnPlan.capacity() (numpy, the planner's layer) against the tables calc_attn builds: packing rows,
+    all_to_all block, slices per call; and PlanCapacity.of is their maximum."""
+    for mp in _plans(mesh_of(8), 3):
+        cap = mp.capacity()
+        tables = mj.dist_attn.run_tables(mp.plan, "all_to_all")
+        assert cap.stages == max(1, len(tables.stages))
+        assert cap.transfer_rows == max([1] + [st.tables.send_ranges.shape[1] for st in tables.stages])
+        assert cap.stage_keys == max([1] + [st.tables.buffer_len // mp.cp for st in tables.stages])
+        assert cap.slices == max(x[0].shape[1] for x in [tables.host] + [st.slices for st in tables.stages])
+    caps = [mp.capacity() for mp in _plans(mesh_of(8), 3)]
+    both = mj.PlanCapacity.of(caps)
+    for name in ("stages", "stage_keys", "transfer_rows", "slices"):
+        assert getattr(both, name) == max(getattr(c, name) for c in caps)

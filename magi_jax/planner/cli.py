@@ -147,6 +147,7 @@ def plan_main(argv: Sequence[str]) -> int:
           f"chunk={plan.chunk_size}, solver={plan.solver}, overlap degree {plan.overlap_degree}; "
           f"planned in {dt:.3f} s")
     print(s.table())
+    print(f"shapes for run-time plans (magi_jax.plan_tables): {plan.capacity()}")
     if a.plot:
         rank = int(np.argmax(s.remote_keys)) if a.plot_rank is None else a.plot_rank
         plot_plan(plan, a.plot, rank)

@@ -95,6 +95,41 @@ class PlanStats:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class PlanCapacity:
+    """Shapes that plans of different masks (same sequence length, cp and chunk size) can share: overlap
+    ``stages`` (plans with fewer get empty ones), ``stage_keys`` keys any rank sends any other in one stage
+    (the all_to_all block), ``transfer_rows`` key ranges a rank packs per stage, and ``slices`` per rank
+    and attention call. ``magi_jax.plan_tables`` pads a plan's tables to them, so that a jitted step taking them
+    as an argument serves every such plan; ``DistAttnPlan.capacity()`` is what one plan needs,
+    ``PlanCapacity.of`` covers several."""
+
+    stages: int
+    stage_keys: int
+    transfer_rows: int
+    slices: int
+
+    def __post_init__(self):
+        for name in ("stages", "stage_keys", "transfer_rows", "slices"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+
+    @classmethod
+    def of(cls, plans, headroom: float = 1.0) -> PlanCapacity:
+        """The smallest capacity holding every plan of ``plans`` (DistAttnPlan, or anything with one as
+        ``.plan``, such as magi_jax.MeshPlan; a PlanCapacity there counts as its fields), each field but
+        ``stages`` times ``headroom`` (>= 1) and rounded up, so that later plans of similar masks fit too
+        (stages are not: an empty stage still moves its block)."""
+        if not headroom >= 1.0:
+            raise ValueError(f"headroom: must be >= 1, got {headroom}")
+        need = np.ones(4, np.int64)
+        for x in plans:
+            c = x if isinstance(x, PlanCapacity) else getattr(x, "plan", x).capacity()
+            need = np.maximum(need, [c.stages, c.stage_keys, c.transfer_rows, c.slices])
+        return cls(int(need[0]), *(int(np.ceil(x * headroom)) for x in need[1:]))
+
+
 @dataclass(frozen=True, eq=False)
 class DistAttnPlan:
     """A static plan for attention over ``cp`` ranks of one mesh axis. Hashable; equal plans compare equal.
@@ -181,6 +216,13 @@ class DistAttnPlan:
 
     def stats(self) -> PlanStats:
         return self._stats
+
+    def capacity(self) -> PlanCapacity:
+        """What this plan needs of a PlanCapacity (each field at least 1)."""
+        rows = [np.bincount(st.transfers.src, minlength=self.cp).max(initial=0) for st in self.stages]
+        slices = [self.host.types.shape[1]] + [st.slices.types.shape[1] for st in self.stages]
+        return PlanCapacity(max(1, self.num_stages), max([1] + [st.transfers.pair_max for st in self.stages]),
+                            int(max([1] + rows)), max(slices))
 
     def fused_slices(self) -> SliceSet:
         """Host and all remote slices in one list per rank, keys indexing ``concat(local keys, stage 0
