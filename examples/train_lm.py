@@ -1,14 +1,14 @@
 """A small decoder-only language model trained with magi_jax distributed attention on a (dp, cp) mesh.
 
-Every step packs new synthetic documents (new lengths, so a new varlen causal mask and a new plan): each is
-an arithmetic progression modulo the vocabulary with its own random start and step, so predicting the next
-token needs the document's earlier tokens (attention) and nothing from other documents. The plan travels as
-an argument of the jitted step (magi_jax.plan_tables, padded to one magi_jax.PlanCapacity), so every packing
-runs the same compiled step. Everything runs in dispatched order: tokens, labels and RoPE positions
-(magi_jax.position_ids) are dispatched once per step, and the attention of every layer is magi_jax.calc_attn
-on the (dp, cp) mesh: batch over dp, tokens over cp. Each layer is rematerialised in the backward pass except
-its attention output (magi_jax.CHECKPOINT_NAMES). One jitted step (forward, backward, Adam); the loss falls
-from ln(vocab).
+Every sequence of every step packs new synthetic documents (new lengths, so its own varlen causal mask and
+plan): each is an arithmetic progression modulo the vocabulary with its own random start and step, so
+predicting the next token needs the document's earlier tokens (attention) and nothing from other documents.
+The batch's plans travel as an argument of the jitted step (magi_jax.plan_tables of one plan per sequence,
+padded to one magi_jax.PlanCapacity), so every batch runs the same compiled step. Everything runs in
+dispatched order: tokens, labels and RoPE positions (magi_jax.position_ids) are dispatched once per step,
+and the attention of every layer is magi_jax.calc_attn on the (dp, cp) mesh: batch over dp, tokens over cp.
+Each layer is rematerialised in the backward pass except its attention output (magi_jax.CHECKPOINT_NAMES).
+One jitted step (forward, backward, Adam); the loss falls from ln(vocab).
 
     python examples/train_lm.py                 # 8 CPU devices (dp 2 x cp 4) unless GPUs are present
     python examples/train_lm.py --steps 300 --cp 2 --dp 1
@@ -41,14 +41,15 @@ def document_lengths(total: int, mean: int, seed: int | list[int]) -> list[int]:
     return lens
 
 
-def make_batch(rng: np.random.Generator, lengths: list[int], batch: int, vocab: int):
-    """Token ids [B, T], next-token labels [B, T] and loss weights [B, T] (0 on each document's last token)."""
-    T = sum(lengths)
+def make_batch(rng: np.random.Generator, packings: list[list[int]], vocab: int):
+    """Token ids [B, T], next-token labels [B, T] and loss weights [B, T] (0 on each document's last token);
+    sequence b packs documents of the lengths packings[b]."""
+    batch, T = len(packings), sum(packings[0])
     tokens = np.empty((batch, T), np.int32)
     weights = np.ones((batch, T), np.float32)
     for b in range(batch):
         s = 0
-        for n in lengths:
+        for n in packings[b]:
             start, step = rng.integers(0, vocab), rng.integers(1, vocab)
             tokens[b, s:s + n] = (start + step * np.arange(n)) % vocab
             weights[b, s + n - 1] = 0.0
@@ -78,12 +79,12 @@ def rms_norm(x, scale):
 
 
 def rope(x, positions):
-    """Rotary embedding of x [B, T, H, D] at integer positions [T] (RoPE is relative: global positions of
+    """Rotary embedding of x [B, T, H, D] at integer positions [B, T] (RoPE is relative: global positions of
     packed documents work as well as per-document ones)."""
     d = x.shape[-1]
     freq = 1.0 / (10000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angle = positions.astype(jnp.float32)[:, None] * freq[None, :]
-    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    angle = positions.astype(jnp.float32)[..., None] * freq
+    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
     x1, x2 = x[..., : d // 2].astype(jnp.float32), x[..., d // 2:].astype(jnp.float32)
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     mesh = Mesh(np.array(devices[:dp * cp]).reshape(dp, cp), ("dp", "cp"))
 
     def packing(i: int) -> tuple[list[int], mj.MeshPlan]:
-        """The document lengths of step i's batch and their plan (one overlap stage for every mask)."""
+        """The document lengths of sequence i (of all steps) and their plan (one overlap stage for every
+        mask). Sequence b of step s is i = s * dp + b."""
         lengths = document_lengths(seqlen, mean=max(32, seqlen // 12), seed=[args.seed, i])
         plan = mj.plan(mj.masks.varlen_causal(lengths), mesh, axis="cp", num_heads_q=cfg.heads,
                        num_heads_kv=cfg.kv_heads, head_dim=cfg.head_dim, chunk_size=(512 if on_gpu else 64),
@@ -181,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     # more grows it (and the step compiles once more).
     capacity = mj.PlanCapacity.of([packing(i)[1] for i in range(32)], headroom=1.5)
     lengths, plan = packing(0)
-    print(f"{dp * cp} x {devices[0].device_kind}: mesh dp {dp} x cp {cp}; {seqlen} tokens of new documents "
-          f"every step (the first: {len(lengths)}, {plan!r}); {capacity}")
+    print(f"{dp * cp} x {devices[0].device_kind}: mesh dp {dp} x cp {cp}; {dp} sequences of {seqlen} tokens of "
+          f"new documents every step (the first: {len(lengths)}, {plan!r}); {capacity}")
 
     params = init_params(jax.random.key(args.seed), cfg.vocab, width, args.layers, cfg.heads, cfg.kv_heads,
                          cfg.head_dim)
@@ -195,18 +197,19 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = np.random.default_rng(args.seed + 1)
     losses, seconds = [], []
-    lengths, plan = packing(0)
+    batch = [packing(b) for b in range(dp)]
     for i in range(args.steps):
         start = time.perf_counter()
+        plans = [plan for _, plan in batch]
         try:
-            tables = mj.plan_tables(plan, capacity)
+            tables = mj.plan_tables(plans, capacity)
         except ValueError:
-            capacity = mj.PlanCapacity.of([capacity, plan], headroom=1.25)
+            capacity = mj.PlanCapacity.of([capacity, *plans], headroom=1.25)
             print(f"step {i}: capacity grown to {capacity}")
-            tables = mj.plan_tables(plan, capacity)
-        tokens, labels, weights = dispatch(tables, *make_batch(rng, lengths, dp, cfg.vocab))
+            tables = mj.plan_tables(plans, capacity)
+        tokens, labels, weights = dispatch(tables, *make_batch(rng, [lengths for lengths, _ in batch], cfg.vocab))
         params, opt, loss = step(params, opt, tokens, labels, weights, tables)
-        lengths, plan = packing(i + 1)   # planned on the host while the device runs this step
+        batch = [packing((i + 1) * dp + b) for b in range(dp)]   # planned while the device runs this step
         losses.append(float(loss))       # waits for the step: seconds below are whole steps, planning included
         seconds.append(time.perf_counter() - start)
         if i % max(1, args.steps // 10) == 0 or i == args.steps - 1:

@@ -35,9 +35,10 @@ A plan of overlap degree 0 fetches everything in one stage and runs one fused ca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -232,7 +233,7 @@ def _constrain(x, mesh: Mesh | None, p: DistAttnPlan, seq_dim: int, batch_axes):
     return _place(x, mesh, _spec(mesh, p, x.shape, seq_dim, batch_axes))
 
 
-def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, mesh: Mesh | None = None,
+def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *, seq_dim: int = 0, mesh: Mesh | None = None,
              batch_axes="auto") -> jax.Array:
     """Global array (``plan.seqlen`` tokens along ``seq_dim``) -> dispatched order (``padded_seqlen``
     tokens: rank 0's local buffer, then rank 1's, ...; padding zero), sharded over the plan's axis (a
@@ -243,6 +244,10 @@ def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, m
     x = jnp.asarray(x)
     seq_dim = _check_seq("x", x, seq_dim, p.seqlen, "the plan's seqlen")
     take, back = p.position_ids(), p.undispatch_perm
+    if _batched(p, x, seq_dim):
+        pad = [(0, 0)] * x.ndim
+        pad[1] = (0, p.padded_seqlen - p.seqlen)
+        return _constrain(_take_each(jnp.pad(x, pad), take), mesh, p, seq_dim, batch_axes)
     if _explicit_sharding(x) is not None:
         y = _pad_take(x, take, p.padded_seqlen, seq_dim)
     else:
@@ -250,26 +255,53 @@ def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, m
     return _constrain(y, mesh, p, seq_dim, batch_axes)
 
 
-def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan, *, seq_dim: int = 0, mesh: Mesh | None = None
+def _batched(p, x, seq_dim: int) -> bool:
+    """Whether p is batched PlanTables (then x must be [B, T, ...] with the tables' B)."""
+    batch = getattr(getattr(p, "spec", None), "batch", None)
+    if batch is None:
+        return False
+    if seq_dim != 1 or x.shape[0] != batch:
+        raise ValueError(f"x: batched plan tables of {batch} plans need x [{batch}, T, ...] with seq_dim=1, got "
+                         f"shape {x.shape}, seq_dim={seq_dim}")
+    return True
+
+
+def _take_each(x, index):
+    """x [B, T, ...] taken along its tokens by batch element's own index [B, n] (autodiff's transpose: a
+    scatter-add). The token dim is gathered whole first, as _take does."""
+    sharding = _explicit_sharding(x)
+    if sharding is not None:
+        spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+        if spec[1] is not None:
+            spec[1] = None
+            x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
+    return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0))(x, jnp.asarray(index))
+
+
+def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *, seq_dim: int = 0, mesh: Mesh | None = None
                ) -> jax.Array:
     """Dispatched array (``padded_seqlen`` tokens along ``seq_dim``) -> global order (``seqlen`` tokens,
     padding dropped). The inverse of dispatch, and its transpose."""
     p, mesh = _split(plan, mesh)
     x = jnp.asarray(x)
     seq_dim = _check_seq("x", x, seq_dim, p.padded_seqlen, "the plan's padded_seqlen")
+    if _batched(p, x, seq_dim):
+        return _take_each(x, p.undispatch_perm)
     if _explicit_sharding(x) is not None:
         return _take(x, p.undispatch_perm, seq_dim)
     return _undispatch(x, p.position_ids(), p.undispatch_perm, p.padded_seqlen, seq_dim)
 
 
-def position_ids(plan: MeshPlan | DistAttnPlan, *, mesh: Mesh | None = None) -> jax.Array:
-    """int32 [padded_seqlen]: the global position of every dispatched token (padding: seqlen and up),
-    sharded like dispatched arrays when the plan has a mesh. Use for RoPE on dispatched q, k."""
+def position_ids(plan: MeshPlan | DistAttnPlan | PlanTables, *, mesh: Mesh | None = None) -> jax.Array:
+    """int32 [padded_seqlen] (batched PlanTables: [B, padded_seqlen]): the global position of every
+    dispatched token (padding: seqlen and up), sharded like dispatched arrays when the plan has a mesh. Use
+    for RoPE on dispatched q, k."""
     p, mesh = _split(plan, mesh)
     ids = jnp.asarray(p.position_ids())
     if mesh is None:
         return ids
-    sharding = NamedSharding(_need_mesh(p, mesh, "position_ids"), P(p.axis))
+    spec = _spec(mesh, p, ids.shape, 1, "auto") if ids.ndim == 2 else P(p.axis)   # batched: [B, T]
+    sharding = NamedSharding(_need_mesh(p, mesh, "position_ids"), spec)
     return _place(ids, mesh, sharding.spec) if isinstance(ids, jax.core.Tracer) else jax.device_put(ids, sharding)
 
 
@@ -364,6 +396,7 @@ class PlanSpec:
     overlap_degree: int      # 0: fetch all, one fused call; else capacity.stages
     capacity: PlanCapacity
     mesh: Mesh | None
+    batch: int | None = None  # None: one plan; B: B plans stacked (leaves [B, ...]), one per batch element
 
 
 @dataclass(frozen=True, eq=False)
@@ -371,7 +404,8 @@ class PlanTables:
     """A plan's tables padded to a PlanCapacity: a pytree whose leaves are int32 arrays (the slices, the
     transfer tables, the permutation) and whose structure is ``spec``. Pass it to a jitted step as an
     argument: plans of other masks that fit the same capacity reuse the compilation. Use it wherever a plan
-    goes (calc_attn, calc_attn_local, dispatch, undispatch, position_ids)."""
+    goes (calc_attn, calc_attn_local, dispatch, undispatch, position_ids). Batched (``spec.batch``): one
+    plan per element of a leading batch dim, each leaf [B, ...]; the arrays it serves are [B, T, ...]."""
 
     spec: PlanSpec
     run: RunTables
@@ -398,11 +432,23 @@ jax.tree_util.register_pytree_node(
     lambda spec, c: PlanTables(spec, *c))
 
 
-def plan_tables(plan: MeshPlan | DistAttnPlan, capacity: PlanCapacity) -> PlanTables:
+def plan_tables(plan: MeshPlan | DistAttnPlan | Sequence[MeshPlan | DistAttnPlan], capacity: PlanCapacity
+                ) -> PlanTables:
     """``plan``'s tables padded to ``capacity`` (ValueError naming the field it exceeds), for passing to a
-    jitted step as an argument. The transport is all_to_all."""
+    jitted step as an argument. The transport is all_to_all. A list of plans (one mask per batch element,
+    the same sequence length, mesh and overlap degree) gives batched tables, stacked along a new first dim."""
     if not isinstance(capacity, PlanCapacity):
         raise TypeError(f"capacity: expected a PlanCapacity, got {type(capacity).__name__}")
+    if isinstance(plan, (list, tuple)):
+        if not plan:
+            raise ValueError("plan: an empty list")
+        each = [plan_tables(x, capacity) for x in plan]
+        if any(t.spec != each[0].spec for t in each):
+            raise ValueError("plan: the plans differ in sequence length, mesh, axis or overlap degree: "
+                             f"{sorted({repr(t.spec) for t in each})}")
+        stacked = jax.tree.map(lambda *a: np.stack(a), *each)
+        return PlanTables(dataclasses.replace(each[0].spec, batch=len(each)), stacked.run,
+                          stacked.dispatch_index, stacked.undispatch_index)
     p, mesh = _split(plan, None)
     if isinstance(p, PlanTables):
         raise TypeError("plan: already PlanTables")
@@ -632,9 +678,14 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
                   backward, sm_margin)
     tabs = p.run if isinstance(p, PlanTables) else run_tables(p, transport)
+    batched = isinstance(p, PlanTables) and p.spec.batch is not None
+    if batched and (q.ndim != 4 or q.shape[0] != jax.tree.leaves(tabs)[0].shape[0]):
+        raise ValueError(f"q: batched plan tables of {jax.tree.leaves(tabs)[0].shape[0]} here need q [B, L, H, D] "
+                         f"with that B, got shape {q.shape}")
     if q.ndim == 3:
         return _attn(q, k, v, tabs, cfg)
-    outs = [_attn(q[b], k[b], v[b], tabs, cfg) for b in range(q.shape[0])]
+    pick = (lambda b: jax.tree.map(lambda a: a[b], tabs)) if batched else (lambda b: tabs)
+    outs = [_attn(q[b], k[b], v[b], pick(b), cfg) for b in range(q.shape[0])]
     return jnp.stack([o for o, _ in outs]), jnp.stack([lse for _, lse in outs])
 
 
@@ -660,8 +711,14 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     spec = _spec(mesh, p, q.shape, seq_dim, batch_axes, head_axes, seq_dim + 1)
     lse_spec = P(*tuple(spec)[:-1])
     if isinstance(p, PlanTables):   # the tables enter the shard_map whole (each rank takes its row)
+        table_spec = P()
+        if p.spec.batch is not None:    # batched: split like q's batch dim
+            if q.ndim != 4 or q.shape[0] != p.spec.batch:
+                raise ValueError(f"q: batched plan tables of {p.spec.batch} plans need q [{p.spec.batch}, T, H, D], "
+                                 f"got shape {q.shape}")
+            table_spec = P(spec[0])
         body = functools.partial(_local_with_tables, spec=p.spec, options=options)
-        return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, P()),
+        return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, table_spec),
                              out_specs=(spec, lse_spec))(q, k, v, p.run)
     body = functools.partial(calc_attn_local, plan=p, **options)
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))(q, k, v)
