@@ -11,9 +11,9 @@ import pytest
 import magi_jax as mj
 from magi_jax import comm, masks
 from tests.conftest import has_gpu
-from tests.test_dist_helpers import (DOCS, assert_packed_range_ops_equal_separate, async_overlap, check_dist,
-                                     check_plan_tables, collective_dependencies, families, mesh_of, random_mask,
-                                     remat_grads)
+from tests.test_dist_helpers import (DOCS, assert_packed_range_ops_equal_separate, async_overlap,
+                                     check_batched_plan_tables, check_dist, check_plan_tables,
+                                     collective_dependencies, families, mesh_of, random_mask, remat_grads)
 
 
 def _two_gpus() -> bool:
@@ -154,6 +154,14 @@ def test_plan_tables_2gpu(overlap, backward):
     mask_list = [masks.varlen_causal(GDOCS), masks.varlen_causal([700, 13, total - 713]),
                  masks.sliding_window([900, total - 900], 300), random_mask(7, total=total)]
     check_plan_tables(mask_list, gpu_mesh(), overlap=overlap, hq=4, hkv=2, **BF16, backward=backward)
+
+
+def test_batched_plan_tables_2gpu():
+    """Two sequences of one batch, each with its own mask (cp 2, both on each GPU), bf16, head dim 128."""
+    total = sum(GDOCS)
+    mask_list = [masks.varlen_causal(GDOCS), masks.varlen_causal([700, 13, total - 713]),
+                 masks.block_causal([900, total - 900], 256)]
+    check_batched_plan_tables(mask_list, gpu_mesh(), 2, hq=4, hkv=2, **BF16)
 
 
 def test_jitted_training_step_2gpu():

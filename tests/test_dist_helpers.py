@@ -105,6 +105,37 @@ def check_plan_tables(mask_list, mesh: Mesh, *, overlap=1, chunk_size=16, hq=2, 
     return tables
 
 
+def check_batched_plan_tables(mask_list, mesh: Mesh, batch: int, *, chunk_size=16, hq=2, hkv=2, d=64,
+                              dtype=np.float32, seed=0) -> None:
+    """Batched PlanTables (one plan per batch element): dispatch, calc_attn and undispatch of [B, T, H, D]
+    give element b its own mask's attention, forward and gradients, against the float64 reference; two
+    batches of different masks, one trace."""
+    plans = [mj.plan(m, mesh, chunk_size=chunk_size, overlap=1, num_heads_q=hq, num_heads_kv=hkv, head_dim=d)
+             for m in mask_list]
+    capacity = mj.PlanCapacity.of(plans)
+    traces = []
+
+    @jax.jit
+    def fn(q, k, v, t):
+        traces.append(1)
+        qd, kd, vd = (mj.dispatch(x, t, seq_dim=1) for x in (q, k, v))
+        out, lse = mj.calc_attn(qd, kd, vd, t)
+        return mj.undispatch(out, t, seq_dim=1), mj.undispatch(lse, t, seq_dim=1)
+
+    rng = np.random.default_rng(seed)
+    total = mask_list[0].total_seqlen_q
+    q, k, v = (jnp.stack(x) for x in zip(*(random_qkv(rng, total, total, hq, hkv, d, dtype) for _ in range(batch))))
+    for first in (0, 1):
+        chosen = [(first + 2 * b) % len(plans) for b in range(batch)]
+        t = mj.plan_tables([plans[i] for i in chosen], capacity)
+        assert t.spec.batch == batch and mj.position_ids(t).shape == (batch, plans[0].padded_seqlen)
+        for b, i in enumerate(chosen):
+            def element(qb, kb, vb, b=b):
+                return tuple(y[b] for y in fn(q.at[b].set(qb), k.at[b].set(kb), v.at[b].set(vb), t))
+            check_against_reference(element, mask_list[i], q[b], k[b], v[b], rng)
+    assert len(traces) == 1, f"{len(traces)} traces for two batches of one capacity"
+
+
 def remat_grads(mask: AttnMask, mesh: Mesh, *, chunk_size=16, hq=2, d=64, dtype=np.float32, **options):
     """remat_grads_and_calls of a loss through calc_attn's out and lse, and the plan."""
     mp = mj.plan(mask, mesh, chunk_size=chunk_size, overlap=2, num_heads_q=hq, head_dim=d)

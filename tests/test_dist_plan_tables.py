@@ -11,8 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import magi_jax as mj
 from magi_jax import masks
-from tests.conftest import check_against_reference
-from tests.test_dist_helpers import check_plan_tables, mesh_of, random_mask
+from tests.test_dist_helpers import check_batched_plan_tables, check_plan_tables, mesh_of, random_mask
 
 TOTAL = 380
 
@@ -165,33 +164,8 @@ def test_plan_capacity_is_the_shapes_of_the_plans_own_tables():
 
 @pytest.mark.parametrize("batch", [2, 4])
 def test_batched_tables_give_each_batch_element_its_own_mask(batch):
-    """One plan per batch element (dp 2 x cp 2; batch 2: one element per dp group, 4: two): dispatch,
-    calc_attn and undispatch of [B, T, H, D] give element b its own mask's attention, forward and gradients,
-    against the float64 reference; one compilation for two different batches of masks."""
-    mesh = mesh_of(2, dp=2)
-    pool = _masks()
-    plans = [mj.plan(m, mesh, chunk_size=16, overlap=1, num_heads_q=2, head_dim=64) for m in pool]
-    capacity = mj.PlanCapacity.of(plans)
-    traces = []
-
-    @jax.jit
-    def fn(q, k, v, t):
-        traces.append(1)
-        qd, kd, vd = (mj.dispatch(x, t, seq_dim=1) for x in (q, k, v))
-        out, lse = mj.calc_attn(qd, kd, vd, t)
-        return mj.undispatch(out, t, seq_dim=1), mj.undispatch(lse, t, seq_dim=1)
-
-    rng = np.random.default_rng(batch)
-    q, k, v = (jnp.asarray(rng.standard_normal((batch, TOTAL, 2, 64)), jnp.float32) for _ in range(3))
-    for first in (0, 1):
-        chosen = [(first + 2 * b) % len(plans) for b in range(batch)]
-        t = mj.plan_tables([plans[i] for i in chosen], capacity)
-        assert t.spec.batch == batch and mj.position_ids(t).shape == (batch, plans[0].padded_seqlen)
-        for b, i in enumerate(chosen):
-            def element(qb, kb, vb, b=b):
-                return tuple(y[b] for y in fn(q.at[b].set(qb), k.at[b].set(kb), v.at[b].set(vb), t))
-            check_against_reference(element, pool[i], q[b], k[b], v[b], rng)
-    assert len(traces) == 1
+    """dp 2 x cp 2; batch 2: one element per dp group, 4: two."""
+    check_batched_plan_tables(_masks(), mesh_of(2, dp=2), batch, seed=batch)
 
 
 def test_batched_tables_refuse_mismatched_inputs():
