@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     # more grows it (and the step compiles once more).
     capacity = mj.PlanCapacity.of([packing(i)[1] for i in range(32)], headroom=1.5)
     lengths, plan = packing(0)
-    print(f"{dp * cp} x {devices[0].device_kind}: mesh dp {dp} x cp {cp}; {dp} sequences of {seqlen} tokens of "
+    print(f"{dp * cp} x {devices[0].device_kind}: mesh dp {dp} x cp {cp}; {dp} sequence{'s' * (dp > 1)} of {seqlen} tokens of "
           f"new documents every step (the first: {len(lengths)}, {plan!r}); {capacity}")
 
     params = init_params(jax.random.key(args.seed), cfg.vocab, width, args.layers, cfg.heads, cfg.kv_heads,
