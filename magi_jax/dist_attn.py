@@ -165,7 +165,7 @@ def _explicit_sharding(x):
     return sharding
 
 
-def _take(x, index: np.ndarray, seq_dim: int):
+def _take(x, index, seq_dim: int):
     """jnp.take along seq_dim (index static or traced); with Explicit axes the token dim is first gathered whole
     (the other dims keep their sharding), as Auto axes do implicitly."""
     sharding = _explicit_sharding(x)
