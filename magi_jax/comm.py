@@ -321,6 +321,13 @@ def _transport(bufs: tuple, tables: CastTables, axis: str, reverse: bool) -> tup
     return tuple(out)
 
 
+def own_row(table, axis: str) -> jax.Array:
+    """This rank's row of a per-rank table [cp, ...]: row axis_index(axis), or row 0 of a table that holds
+    one row (already this rank's: a table sharded over the axis, as calc_attn passes PlanTables)."""
+    table = jnp.asarray(table)
+    return table[0] if table.shape[0] == 1 else table[jax.lax.axis_index(axis)]
+
+
 def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str, packed: bool = False
                ) -> tuple[jax.Array, ...]:
     """Every rank sends the ranges of its local arrays xs [local_len, ...] that the stage's table lists, and
@@ -329,9 +336,7 @@ def group_cast(xs: Sequence[jax.Array], tables: CastTables, axis: str, packed: b
     [buffer_len, n, ...] holding the arrays side by side (gathered so: no copy), one transport, returned
     as a 1-tuple. XLA keeps one collective in flight by default, so of separate ones all but one would run
     synchronously."""
-    r = jax.lax.axis_index(axis)
-    ranges = jnp.asarray(tables.send_ranges)[r]
-    send = range_gather(xs, ranges, tables.buffer_len, packed=packed)
+    send = range_gather(xs, own_row(tables.send_ranges, axis), tables.buffer_len, packed=packed)
     return _transport(send, tables, axis, reverse=False)
 
 
@@ -349,9 +354,7 @@ def accumulate_partials(back: Sequence[jax.Array], tables: CastTables, axis: str
     """group_reduce's unpacking alone: returned partials summed (float32) into the rows they came from,
     from zero into [out_len, ...] of ``out_dtype``, or in place into ``init``; ``packed``: back is one
     buffer [buffer_len, n, ...] of n arrays side by side, summed into n arrays."""
-    r = jax.lax.axis_index(axis)
-    ranges = jnp.asarray(tables.send_ranges)[r]
-    return range_scatter_add(back, ranges, out_len, out_dtype, init=init, packed=packed)
+    return range_scatter_add(back, own_row(tables.send_ranges, axis), out_len, out_dtype, init=init, packed=packed)
 
 
 def group_reduce(ys: Sequence[jax.Array], tables: CastTables, axis: str, out_len: int | None = None,
@@ -366,5 +369,5 @@ def group_reduce(ys: Sequence[jax.Array], tables: CastTables, axis: str, out_len
     return accumulate_partials(back, tables, axis, out_len, out_dtype, init, packed)
 
 
-__all__ = ["range_gather", "range_scatter_add", "CastTables", "cast_tables",
+__all__ = ["range_gather", "range_scatter_add", "CastTables", "cast_tables", "own_row",
            "group_cast", "group_reduce", "return_partials", "accumulate_partials", "TRANSPORTS"]

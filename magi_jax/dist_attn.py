@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from magi_jax import ffa
 from magi_jax._ffi import match_varying
-from magi_jax.comm import TRANSPORTS, accumulate_partials, group_cast, return_partials
+from magi_jax.comm import TRANSPORTS, accumulate_partials, group_cast, own_row, return_partials
 from magi_jax.mask import AttnMask
 from magi_jax.planner.plan import DistAttnPlan, PlanCapacity, make_plan
 from magi_jax.run_tables import PlanSpec, PlanTables, RunTables, padded_tables, run_tables, stacked_tables
@@ -328,7 +328,6 @@ def plan_tables(plan: MeshPlan | DistAttnPlan | Sequence[MeshPlan | DistAttnPlan
 
 @dataclass(frozen=True)
 class _Config:
-    cp: int
     axis: str
     fused: bool      # overlap degree 0: fetch everything, then one call each way
     scale: float
@@ -339,26 +338,22 @@ class _Config:
     sm_margin: int
 
 
-def _rank(cfg: _Config):
-    return 0 if cfg.cp == 1 else jax.lax.axis_index(cfg.axis)
+def _rows(slices, axis: str):
+    return tuple(own_row(a, axis) for a in slices)
 
 
-def _rows(slices, r):
-    return tuple(jnp.asarray(a)[r] for a in slices)
-
-
-def _fwd_call(cfg, q, k, v, slices, r, beside_transfer=False, prev=None):
+def _fwd_call(cfg, q, k, v, slices, beside_transfer=False, prev=None):
     """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs.
     prev: the (out, lse) of the calls before, merged in by the kernel. v None: k is a receive buffer, K and V
     packed [n, 2, Hkv, D]."""
-    return ffa._fwd_call(q, k, v, *_rows(slices, r), cfg.scale, cfg.softcap,
+    return ffa._fwd_call(q, k, v, *_rows(slices, cfg.axis), cfg.scale, cfg.softcap,
                          cfg.sm_margin if beside_transfer else 0, prev)
 
 
-def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, r, kv2=None, **dq_chain):
+def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, kv2=None, **dq_chain):
     """dq, dk, dv, and with a second key source kv2 (a receive buffer, K and V packed; keys concat(k, kv2),
     not concatenated) its gradients dkv2, packed the same way; dq_chain: ffa._bwd_call's dq_in, dq_f32, delta."""
-    grads = ffa._bwd_call(q, k, v, out, dout, lse, dlse, *_rows(slices, r), cfg.scale, cfg.softcap,
+    grads = ffa._bwd_call(q, k, v, out, dout, lse, dlse, *_rows(slices, cfg.axis), cfg.scale, cfg.softcap,
                           cfg.deterministic, kv2, None, **dq_chain)
     return grads[:4] if kv2 is not None else grads[:3]
 
@@ -369,16 +364,15 @@ def _fetch(k, v, tabs: RunTables, cfg: _Config) -> list:
 
 
 def _forward(q, k, v, tabs: RunTables, cfg: _Config):
-    r = _rank(cfg)
     recv = _fetch(k, v, tabs, cfg)
     if cfg.fused and recv:
-        return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused, r)
+        return _fwd_call(cfg, q, *_concat_kv(k, v, recv), tabs.fused)
     # The host call runs under the transfers; stage i's under those of the stages after it. Each stage call
     # merges its part into the out and lse so far, in place (no merge pass over all parts after them).
     last = len(recv) - 1
-    out = _fwd_call(cfg, q, k, v, tabs.host, r, beside_transfer=bool(recv))
+    out = _fwd_call(cfg, q, k, v, tabs.host, beside_transfer=bool(recv))
     for i, (st, kv) in enumerate(zip(tabs.stages, recv)):
-        out = _fwd_call(cfg, q, kv, None, st.slices, r, beside_transfer=i < last, prev=out)
+        out = _fwd_call(cfg, q, kv, None, st.slices, beside_transfer=i < last, prev=out)
     return out
 
 
@@ -410,10 +404,10 @@ def _backward_body(cfg: _Config, res, cts):
     q, k, v, tabs, out, lse = res
     dout, dlse = cts
     dout, dlse = dout.astype(q.dtype), dlse.astype(jnp.float32)
-    r, axis = _rank(cfg), cfg.axis
+    axis = cfg.axis
     wire = cfg.wire_dtype and jnp.dtype(cfg.wire_dtype)
     if not tabs.stages:
-        return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host, r)
+        return _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.host)
     # The re-fetch is the forward's group_cast again: in one jitted module XLA merges the two, so the
     # forward's receive buffers are reused rather than fetched twice. The kernels read them packed as they
     # are and return their dK and dV packed the same way: one collective per stage each way.
@@ -428,7 +422,7 @@ def _backward_body(cfg: _Config, res, cts):
         # partials travel instead of before (inside the call, the rounding delayed the collective's start).
         kv2 = recv[0] if len(recv) == 1 else jnp.concatenate(recv)
         chain = {} if cfg.deterministic else dict(dq_f32=True)
-        dq, dk_local, dv_local, dkv2 = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.fused, r, kv2, **chain)
+        dq, dk_local, dv_local, dkv2 = _bwd_call(cfg, q, k, v, out, dout, lse, dlse, tabs.fused, kv2, **chain)
         ends = np.cumsum([0] + [t.buffer_len for t in tables])
         backs = [return_partials((dkv2[a:b],), t, axis, wire) for t, a, b in zip(tables, ends[:-1], ends[1:])]
         dk, dv = _add_partials(backs, tables, axis, (dk_local, dv_local))
@@ -446,7 +440,7 @@ def _backward_body(cfg: _Config, res, cts):
         in float32) and the key gradients: (dk, dv) of the local keys, or (dkv,) packed."""
         kk, vv = (k, v) if kv is None else (none, none)
         chain = dict(delta=delta) if cfg.deterministic else dict(dq_in=dq, dq_f32=True, delta=delta)
-        dq_i, dk_i, dv_i, *dkv = _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, r, kv, **chain)
+        dq_i, dk_i, dv_i, *dkv = _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, kv, **chain)
         if cfg.deterministic:
             dq_i = dq_i.astype(jnp.float32) if dq is None else dq + dq_i.astype(jnp.float32)
         return dq_i, (tuple(dkv) if kv is not None else (dk_i, dv_i))
@@ -493,7 +487,7 @@ def _config(p: DistAttnPlan | PlanTables, head_dim: int, softmax_scale, softcap,
         raise ValueError(f"softcap: must be >= 0, got {softcap}")
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
-    return _Config(p.cp, p.axis, p.overlap_degree == 0, float(scale), float(softcap), bool(deterministic), wire,
+    return _Config(p.axis, p.overlap_degree == 0, float(scale), float(softcap), bool(deterministic), wire,
                    backward, ffa.check_sm_margin(sm_margin))
 
 
@@ -516,7 +510,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     running beside a group_cast leave free for it (flex_flash_attn's sm_margin; default 0: the collective,
     launched first, keeps its SMs and the call's CTAs there join later); the rest as flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map. ``plan`` may be PlanTables (plan_tables), whose
-    arrays the caller passes into its shard_map replicated."""
+    arrays the caller passes into its shard_map replicated or split over the plan's axis (each rank its own
+    row of every table, as calc_attn does)."""
     p, _ = _split(plan, None)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim not in (3, 4):
@@ -561,13 +556,13 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     seq_dim = q.ndim - 3
     spec = _spec(mesh, p, q.shape, seq_dim, batch_axes, head_axes, seq_dim + 1)
     lse_spec = P(*tuple(spec)[:-1])
-    if isinstance(p, PlanTables):   # the tables enter the shard_map whole (each rank takes its row)
-        table_spec = P()
-        if p.spec.batch is not None:    # batched: split like q's batch dim
+    if isinstance(p, PlanTables):   # every rank receives its own rows of the tables (comm.own_row)
+        table_spec = P(p.axis)
+        if p.spec.batch is not None:    # batched: the batch dim split like q's
             if q.ndim != 4 or q.shape[0] != p.spec.batch:
                 raise ValueError(f"q: batched plan tables of {p.spec.batch} plans need q [{p.spec.batch}, T, H, D], "
                                  f"got shape {q.shape}")
-            table_spec = P(spec[0])
+            table_spec = P(spec[0], p.axis)
         body = functools.partial(_local_with_tables, spec=p.spec, options=options)
         return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, table_spec),
                              out_specs=(spec, lse_spec))(q, k, v, p.run)

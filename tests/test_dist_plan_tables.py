@@ -118,9 +118,10 @@ def test_capacity_of_covers_and_errors_name_the_field():
         mj.calc_attn(*(jnp.zeros((t.padded_seqlen, 2, 64)),) * 3, t, transport="ppermute")
 
 
-def test_calc_attn_local_takes_tables_through_a_user_shard_map():
-    """PlanTables passed replicated into a user's own shard_map: calc_attn_local there equals calc_attn on
-    the static plan, forward and gradients."""
+@pytest.mark.parametrize("table_spec", [P(), P("cp")])
+def test_calc_attn_local_takes_tables_through_a_user_shard_map(table_spec):
+    """PlanTables passed into a user's own shard_map, replicated or each rank its own rows: calc_attn_local
+    there equals calc_attn on the static plan, forward and gradients."""
     mesh = mesh_of(4)
     plans = _plans(mesh, 1)
     capacity = mj.PlanCapacity.of(plans, headroom=1.25)
@@ -132,7 +133,9 @@ def test_calc_attn_local_takes_tables_through_a_user_shard_map():
         def body(q, k, v, t):
             out, lse = mj.calc_attn_local(q, k, v, t)
             return out * jnp.exp(jnp.where(jnp.isfinite(lse), lse, 0.0))[..., None] * 1e-3
-        return jax.shard_map(body, mesh=mesh, in_specs=(P("cp"),) * 3 + (P(),), out_specs=P("cp"))(q, k, v, t)
+        run_spec = jax.tree.map(lambda _: table_spec, t.run)
+        return jax.shard_map(lambda q, k, v, run: body(q, k, v, mj.PlanTables(t.spec, run, None, None)), mesh=mesh,
+                             in_specs=(P("cp"),) * 3 + (run_spec,), out_specs=P("cp"))(q, k, v, t.run)
 
     for mp in plans[:3]:
         t = mj.plan_tables(mp, capacity)
