@@ -268,12 +268,14 @@ def _take_each(x, index):
     """x [B, T, ...] taken along its tokens by batch element's own index [B, n] (autodiff's transpose: a
     scatter-add). The token dim is gathered whole first, as _take does."""
     sharding = _explicit_sharding(x)
+    index = jnp.asarray(index)
     if sharding is not None:
         spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
         if spec[1] is not None:
             spec[1] = None
             x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
-    return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0))(x, jnp.asarray(index))
+        index = jax.sharding.reshard(index, NamedSharding(sharding.mesh, P(spec[0], None)))   # batch like x's
+    return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0))(x, index)
 
 
 def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *, seq_dim: int = 0, mesh: Mesh | None = None
@@ -563,9 +565,10 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
                 raise ValueError(f"q: batched plan tables of {p.spec.batch} plans need q [{p.spec.batch}, T, H, D], "
                                  f"got shape {q.shape}")
             table_spec = P(spec[0], p.axis)
+        run = jax.tree.map(lambda a: _place(jnp.asarray(a), mesh, table_spec), p.run)   # Explicit axes: resharded
         body = functools.partial(_local_with_tables, spec=p.spec, options=options)
         return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, table_spec),
-                             out_specs=(spec, lse_spec))(q, k, v, p.run)
+                             out_specs=(spec, lse_spec))(q, k, v, run)
     body = functools.partial(calc_attn_local, plan=p, **options)
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))(q, k, v)
 

@@ -187,3 +187,39 @@ def test_batched_tables_refuse_mismatched_inputs():
         mj.plan_tables([plans[0], other], mj.PlanCapacity.of([plans[0], other]))
     with pytest.raises(ValueError, match="plan: an empty list"):
         mj.plan_tables([], mj.PlanCapacity.of(plans))
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_tables_on_an_explicit_mesh_from_make_mesh(batched):
+    """jax.make_mesh's Explicit axes: run-time tables (batched: one plan per sequence of 2, over dp) as an
+    argument, dispatch and calc_attn, gradients against flex_flash_attn on one device per sequence, two
+    batches of masks through one compilation."""
+    mesh = jax.make_mesh((2, 4), ("dp", "cp"), devices=jax.devices("cpu")[:8])
+    plans = _plans(mesh, 2)
+    capacity = mj.PlanCapacity.of(plans)
+    groups = [[plans[0], plans[1]], [plans[2], plans[4]]] if batched else [[plans[0]], [plans[3]]]
+    rng = np.random.default_rng(6)
+    shape = (2, TOTAL, 2, 64) if batched else (TOTAL, 2, 64)
+    q, k, v, w = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(4))
+    seq_dim = 1 if batched else 0
+
+    @jax.jit
+    def got(q, k, v, t):
+        def loss(q, k, v):
+            qd, kd, vd = (mj.dispatch(x, t, seq_dim=seq_dim) for x in (q, k, v))
+            return (mj.undispatch(mj.calc_attn(qd, kd, vd, t)[0], t, seq_dim=seq_dim) * w).sum()
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    for group in groups:
+        value, grads = got(q, k, v, mj.plan_tables(group if batched else group[0], capacity))
+
+        def loss(q, k, v):
+            if not batched:
+                return (mj.flex_flash_attn(q, k, v, mask=group[0].mask)[0] * w).sum()
+            return sum((mj.flex_flash_attn(q[b], k[b], v[b], mask=mp.mask)[0] * w[b]).sum()
+                       for b, mp in enumerate(group))
+        want, want_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+        np.testing.assert_allclose(value, want, rtol=1e-5)
+        for a, b in zip(grads, want_grads):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert got._cache_size() == 1
