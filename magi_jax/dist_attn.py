@@ -165,22 +165,31 @@ def _explicit_sharding(x):
     return sharding
 
 
-def _take(x, index, seq_dim: int):
-    """jnp.take along seq_dim (index static or traced); with Explicit axes the token dim is first gathered whole
-    (the other dims keep their sharding), as Auto axes do implicitly."""
+def _whole_tokens(x, seq_dim: int):
+    """x with Explicit axes: its token dim gathered whole (the other dims keep their sharding), as Auto axes
+    do implicitly before a gather along it; otherwise x."""
     sharding = _explicit_sharding(x)
     if sharding is not None:
         spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
         if spec[seq_dim] is not None:
             spec[seq_dim] = None
             x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
-    return jnp.take(x, jnp.asarray(index), axis=seq_dim)
+    return x
+
+
+def _take(x, index, seq_dim: int):
+    """jnp.take along seq_dim (index static or traced), the token dim whole first (_whole_tokens)."""
+    return jnp.take(_whole_tokens(x, seq_dim), jnp.asarray(index), axis=seq_dim)
+
+
+def _pad_tokens(x, padded_len: int, seq_dim: int):
+    pad = [(0, 0)] * x.ndim
+    pad[seq_dim] = (0, padded_len - x.shape[seq_dim])
+    return jnp.pad(x, pad)
 
 
 def _pad_take(x, take, padded_len: int, seq_dim: int):
-    pad = [(0, 0)] * x.ndim
-    pad[seq_dim] = (0, padded_len - x.shape[seq_dim])
-    return _take(jnp.pad(x, pad), take, seq_dim)
+    return _take(_pad_tokens(x, padded_len, seq_dim), take, seq_dim)
 
 
 # dispatch: x padded to padded_len, then taken at `take` (position_ids); undispatch: taken at `back`
@@ -243,9 +252,7 @@ def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *, seq_di
     seq_dim = _check_seq("x", x, seq_dim, p.seqlen, "the plan's seqlen")
     take, back = p.position_ids(), p.undispatch_perm
     if _batched(p, x, seq_dim):
-        pad = [(0, 0)] * x.ndim
-        pad[1] = (0, p.padded_seqlen - p.seqlen)
-        return _constrain(_take_each(jnp.pad(x, pad), take), mesh, p, seq_dim, batch_axes)
+        return _constrain(_take_each(_pad_tokens(x, p.padded_seqlen, 1), take), mesh, p, seq_dim, batch_axes)
     if _explicit_sharding(x) is not None:
         y = _pad_take(x, take, p.padded_seqlen, seq_dim)
     else:
@@ -267,14 +274,10 @@ def _batched(p, x, seq_dim: int) -> bool:
 def _take_each(x, index):
     """x [B, T, ...] taken along its tokens by batch element's own index [B, n] (autodiff's transpose: a
     scatter-add). The token dim is gathered whole first, as _take does."""
+    x, index = _whole_tokens(x, 1), jnp.asarray(index)
     sharding = _explicit_sharding(x)
-    index = jnp.asarray(index)
-    if sharding is not None:
-        spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
-        if spec[1] is not None:
-            spec[1] = None
-            x = jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(*spec)))
-        index = jax.sharding.reshard(index, NamedSharding(sharding.mesh, P(spec[0], None)))   # batch like x's
+    if sharding is not None:   # vmap needs the index's batch dim sharded as x's
+        index = jax.sharding.reshard(index, NamedSharding(sharding.mesh, P((tuple(sharding.spec) + (None,))[0], None)))
     return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0))(x, index)
 
 

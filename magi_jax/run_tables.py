@@ -49,7 +49,14 @@ jax.tree_util.register_pytree_node(RunTables, lambda r: ((r.host, r.stages, r.fu
 
 @functools.lru_cache(maxsize=64)
 def run_tables(p: DistAttnPlan, transport: str = "auto", capacity: PlanCapacity | None = None) -> RunTables:
-    """The runtime tables of a plan (cached); with a ``capacity``, padded to its shapes (all_to_all)."""
+    """The runtime tables of a plan (cached); with a ``capacity``, padded to its shapes (all_to_all; a
+    ValueError names the field the plan exceeds)."""
+    if capacity is not None:
+        need = p.capacity()
+        for f in dataclasses.fields(capacity):
+            if getattr(capacity, f.name) < getattr(need, f.name):
+                raise ValueError(f"capacity: {f.name} {getattr(capacity, f.name)} is less than the "
+                                 f"{getattr(need, f.name)} this plan needs")
     host = (p.host.q_ranges, p.host.k_ranges, p.host.types)
     stages = []
     for st in p.stages:
@@ -74,12 +81,19 @@ def run_tables(p: DistAttnPlan, transport: str = "auto", capacity: PlanCapacity 
     return RunTables(host, tuple(stages), fused)
 
 
+def _concat_slices(sets, key_offsets):
+    """Per-rank slice sets -> one, keys shifted by each set's offset, padded with empty slices."""
+    live = [s[0][..., 1] > s[0][..., 0] for s in sets]
+    rank = np.concatenate([np.nonzero(m)[0] for m in live])
+    q = np.concatenate([s[0][m] for s, m in zip(sets, live)])
+    k = np.concatenate([s[1][m] + off for s, m, off in zip(sets, live, key_offsets)])
+    t = np.concatenate([s[2][m] for s, m in zip(sets, live)])
+    return pad_slices(rank, q, k, t, sets[0][0].shape[0])
+
+
 def _pad_to(slices, n: int):
-    """Slices [cp, N, ...] padded with empty ones to [cp, n, ...]."""
-    have = slices[0].shape[1]
-    if have > n:
-        raise ValueError(f"capacity: slices {n} is less than the {have} this plan needs")
-    return tuple(np.pad(a, [(0, 0), (0, n - have)] + [(0, 0)] * (a.ndim - 2)) for a in slices)
+    """Slices [cp, N, ...] padded with empty ones to [cp, n >= N, ...]."""
+    return tuple(np.pad(a, [(0, 0), (0, n - a.shape[1])] + [(0, 0)] * (a.ndim - 2)) for a in slices)
 
 
 def _empty_stage(cp: int, capacity: PlanCapacity) -> StageRun:
@@ -142,26 +156,12 @@ jax.tree_util.register_pytree_node(
     lambda spec, c: PlanTables(spec, *c))
 
 
-def _concat_slices(sets, key_offsets):
-    """Per-rank slice sets -> one, keys shifted by each set's offset, padded with empty slices."""
-    live = [s[0][..., 1] > s[0][..., 0] for s in sets]
-    rank = np.concatenate([np.nonzero(m)[0] for m in live])
-    q = np.concatenate([s[0][m] for s, m in zip(sets, live)])
-    k = np.concatenate([s[1][m] + off for s, m, off in zip(sets, live, key_offsets)])
-    t = np.concatenate([s[2][m] for s, m in zip(sets, live)])
-    return pad_slices(rank, q, k, t, sets[0][0].shape[0])
-
-
 def padded_tables(p: DistAttnPlan, mesh: Mesh | None, capacity: PlanCapacity) -> PlanTables:
     """p's tables padded to ``capacity`` (ValueError naming the field it exceeds)."""
-    need = p.capacity()
-    for name in ("stages", "stage_keys", "transfer_rows", "slices"):
-        if getattr(capacity, name) < getattr(need, name):
-            raise ValueError(f"capacity: {name} {getattr(capacity, name)} is less than the {getattr(need, name)} "
-                             "this plan needs")
+    tables = run_tables(p, "all_to_all", capacity)
     degree = 0 if p.overlap_degree == 0 else capacity.stages
     spec = PlanSpec(p.cp, p.axis, p.seqlen, p.padded_seqlen, p.local_len, degree, capacity, mesh)
-    return PlanTables(spec, run_tables(p, "all_to_all", capacity), p.position_ids(), p.undispatch_perm)
+    return PlanTables(spec, tables, p.position_ids(), p.undispatch_perm)
 
 
 def stacked_tables(each: list[PlanTables]) -> PlanTables:

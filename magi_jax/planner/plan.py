@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -110,10 +110,10 @@ class PlanCapacity:
     slices: int
 
     def __post_init__(self):
-        for name in ("stages", "stage_keys", "transfer_rows", "slices"):
-            value = getattr(self, name)
+        for f in fields(self):
+            value = getattr(self, f.name)
             if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name}: must be a positive int, got {value!r}")
+                raise ValueError(f"{f.name}: must be a positive int, got {value!r}")
 
     @classmethod
     def of(cls, plans, headroom: float = 1.0) -> PlanCapacity:
@@ -123,10 +123,10 @@ class PlanCapacity:
         (stages are not: an empty stage still moves its block)."""
         if not headroom >= 1.0:
             raise ValueError(f"headroom: must be >= 1, got {headroom}")
-        need = np.ones(4, np.int64)
+        need = np.ones(len(fields(cls)), np.int64)
         for x in plans:
             c = x if isinstance(x, PlanCapacity) else getattr(x, "plan", x).capacity()
-            need = np.maximum(need, [c.stages, c.stage_keys, c.transfer_rows, c.slices])
+            need = np.maximum(need, astuple(c))
         return cls(int(need[0]), *(int(np.ceil(x * headroom)) for x in need[1:]))
 
 
