@@ -287,6 +287,24 @@ def build_single(mask, args, cp: int):
 
 # ----------------------------------------------------------------------------------------------- running
 
+# Each method's builder (single: build_single, called by _build itself).
+BUILDERS = {"magi": build_magi, "allgather": build_allgather, "ring": build_ring,
+            "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
+            "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
+            "magi_fused": functools.partial(build_magi, overlap=0),
+            "magi_bwd_fused": functools.partial(build_magi, backward="fused"), "magi_local": build_magi,
+            "allgather_minheap": functools.partial(build_allgather, solver="minheap"),
+            "ring_minheap": functools.partial(build_ring, solver="minheap"), "magi_tables": build_magi_tables,
+            "magi_tables125": functools.partial(build_magi_tables, headroom=1.25)}
+
+
+def builder_of(method: str):
+    """The builder of a method of METHODS or EXTRA_METHODS, or of magi_margin<N> (None for single)."""
+    if method.startswith("magi_margin"):
+        return functools.partial(build_magi, sm_margin=int(method[len("magi_margin"):]))
+    return BUILDERS.get(method)
+
+
 def fwd_bwd(fn):
     """jit of (forward, then the gradient of sum(out)) returning dq, dk, dv: forward included."""
     def loss(q, k, v, *rest):
@@ -347,23 +365,13 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
     print(f"\n{name}: {total} tokens on {n} GPUs" + (f" (x {dp} data-parallel groups)" if dp > 1 else "")
           + f", {mask.num_slices} slices, area {area:.4g} ({area / total / total:.2%} of dense)", flush=True)
     reference = None
-    builders = {"magi": build_magi, "allgather": build_allgather, "ring": build_ring,
-                "magi_ppermute": functools.partial(build_magi, transport="ppermute"),
-                "magi_a2a": functools.partial(build_magi, transport="all_to_all"),
-                "magi_fused": functools.partial(build_magi, overlap=0),
-                "magi_bwd_fused": functools.partial(build_magi, backward="fused"), "magi_local": build_magi,
-                "allgather_minheap": functools.partial(build_allgather, solver="minheap"),
-                "ring_minheap": functools.partial(build_ring, solver="minheap"), "magi_tables": build_magi_tables,
-                "magi_tables125": functools.partial(build_magi_tables, headroom=1.25)}
-    builders |= {m: functools.partial(build_magi, sm_margin=int(m[len("magi_margin"):]))
-                 for m in args.methods if m.startswith("magi_margin")}
     timed = []   # (row, work, note, [(pass, fn)], inputs)
     for method in args.methods:
         row = {"mask": name, "method": method, "gpus": n * dp, "cp": n, "dp": dp, "tokens": total, "area": area}
         try:
             # Compiled inside (the first calls); the rounds below run the executables jit has cached.
             with transfers_for(method):
-                work, note, passes, inputs, got = _build(method, builders.get(method), mask, mesh, args, q, k, v,
+                work, note, passes, inputs, got = _build(method, builder_of(method), mask, mesh, args, q, k, v,
                                                          seq_dim, row)
             if got is not None and method != "magi_local":
                 if reference is None:

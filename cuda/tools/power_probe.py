@@ -99,13 +99,10 @@ def dist_phases(a) -> list[tuple[str, Callable, tuple]]:
     shape = (a.tokens_per_gpu * len(devices), args.heads, args.head_dim)
     q, k, v = (jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16) for kk in keys)
     row = {"area": mask.area()}
-    builders = {"magi": db.build_magi, "magi_local": db.build_magi, "ring": db.build_ring,
-                "allgather": db.build_allgather}
     phases = []
     for method in a.methods:
-        builder = builders.get(method)
         with db.transfers_for(method):
-            _, _, passes, inputs, _ = db._build(method, builder, mask, mesh, args, q, k, v, 0, row)
+            _, _, passes, inputs, _ = db._build(method, db.builder_of(method), mask, mesh, args, q, k, v, 0, row)
         for mode, fn in passes:
             if mode in a.modes:
                 phases.append((f"{a.mask} {mode} {method}", fn, inputs))
