@@ -132,8 +132,20 @@ def test_bad_range_arguments():
         comm.range_gather([x, jnp.ones((5, 3))], np.zeros((1, 3), np.int32), 4)
     with pytest.raises(ValueError, match="dtype int32"):
         comm.range_gather([jnp.ones((4,), jnp.int32)], np.zeros((1, 3), np.int32), 4)
+    transfers = make_plan(masks.causal(64), 2, chunk_size=8).stages[0].transfers
     with pytest.raises(ValueError, match="transport"):
-        comm.cast_tables(make_plan(masks.causal(64), 2, chunk_size=8).stages[0].transfers, "ragged")
+        comm.cast_tables(transfers, "ragged")
+    # Capacities: at least what the transfers need, and only for all_to_all.
+    exact = comm.cast_tables(transfers, "all_to_all")
+    rows = exact.send_ranges.shape[1]
+    padded = comm.cast_tables(transfers, pair_capacity=transfers.pair_max + 5, rows_capacity=rows + 2)
+    assert padded.buffer_len == 2 * (transfers.pair_max + 5) and padded.send_ranges.shape[1] == rows + 2
+    with pytest.raises(ValueError, match="pair_capacity"):
+        comm.cast_tables(transfers, pair_capacity=transfers.pair_max - 1)
+    with pytest.raises(ValueError, match="rows_capacity"):
+        comm.cast_tables(transfers, rows_capacity=rows - 1)
+    with pytest.raises(ValueError, match="transport: capacities need all_to_all"):
+        comm.cast_tables(transfers, "ppermute", pair_capacity=transfers.pair_max)
 
 
 def _recv_positions(tables: comm.CastTables, r: int, n: int) -> np.ndarray:
