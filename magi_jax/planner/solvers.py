@@ -115,7 +115,14 @@ class _RemoteModel:
         return cov1, cov2, arg1, rem
 
     def remote(self, chunks: np.ndarray) -> float:
-        return self.cover(chunks)[3]
+        """``cover(chunks)[3]`` without the runner-up tables: only the largest need per key chunk."""
+        k, w, _ = self.entries(chunks)
+        cov1 = np.zeros(self.n)
+        np.maximum.at(cov1, k, w)
+        self._mark[chunks] = True
+        rem = float(cov1[~self._mark].sum())
+        self._mark[chunks] = False
+        return rem
 
 
 def affinity_greedy(table: ChunkTable, cp: int, key_cost: float, imbalance_cap: float) -> Partition:
@@ -131,22 +138,22 @@ def affinity_greedy(table: ChunkTable, cp: int, key_cost: float, imbalance_cap: 
     areas = table.areas.astype(np.float64)
     model = _RemoteModel(table)
     cap = area_cap(areas, cp, imbalance_cap)
-    cov_t = np.zeros((n, cp))          # per key chunk and rank: the largest need so far
+    # Per key chunk and rank: the largest need so far, inf once the rank owns the key chunk (it then
+    # adds nothing: max(0, w - inf) = 0).
+    cov_t = np.zeros((n, cp))
     owner = np.full(n, -1, np.int64)
     load, rem = np.zeros(cp), np.zeros(cp)
     count = np.zeros(cp, np.int64)
-    ranks = np.arange(cp)
+    half_slots = np.full(cp, 0.5 * max(per - 1, 0))    # half of each rank's slots left after this chunk
     left_area, left = areas.sum(), n
     for c in np.argsort(-areas, kind="stable"):
         k, w = model.kc[model.indptr[c]:model.indptr[c + 1]], model.tok[model.indptr[c]:model.indptr[c + 1]]
         other = k != c
         k, w = k[other], w[other]
-        gap = np.maximum(0.0, w[:, None] - cov_t[k])
-        gap[owner[k][:, None] == ranks[None, :]] = 0.0
-        inc = gap.sum(axis=0) - cov_t[c]       # owning c also stops fetching it
+        inc = np.maximum(0.0, w[:, None] - cov_t[k]).sum(axis=0) - cov_t[c]   # owning c stops fetching it
         left_area -= areas[c]
         left -= 1
-        reserve = 0.5 * np.maximum(per - count - 1, 0) * left_area / max(left, 1)
+        reserve = half_slots * left_area / max(left, 1)
         room = count < per
         ok = room & (load + areas[c] + reserve <= cap)
         if ok.any():
@@ -158,9 +165,11 @@ def affinity_greedy(table: ChunkTable, cp: int, key_cost: float, imbalance_cap: 
             r = int(np.argmin(np.where(room, load, np.inf)))
         owner[c] = r
         count[r] += 1
+        half_slots[r] = max(half_slots[r] - 0.5, 0.0)
         load[r] += areas[c]
         rem[r] += inc[r]
         cov_t[k, r] = np.maximum(cov_t[k, r], w)
+        cov_t[c, r] = np.inf
     return tuple(np.sort(np.flatnonzero(owner == r)) for r in range(cp))
 
 
@@ -248,48 +257,56 @@ class _SwapSearch:
         cov_wo[a1[has], has] = c2[has]
         est_r = self.cost(self.load[r] - areas[P][:, None] + areas[None, :],
                           self.rem_without[P][:, None] + add[None, :] + fix.reshape(per, n) - cov_wo)
-        # Only swaps whose r side already wins are worth scoring on the s side.
+        # Only swaps whose r side already wins are worth scoring on the s side: pairs (j, c') in row-major
+        # order, so ties among equal scores fall as they would over the flattened (per, n) table.
         ok_r = est_r < limit
         ok_r[:, P] = False
-        if not ok_r.any():
+        jj, cc = np.nonzero(ok_r)
+        if len(jj) == 0:
             return None
-        S = np.unique(owner[np.flatnonzero(ok_r.any(axis=0))])
+        ss = owner[cc]
+        S = np.flatnonzero(np.bincount(ss, minlength=self.cp))
         s_of = np.full(self.cp, -1, np.int64)
         s_of[S] = np.arange(len(S))
         # s's remote, a lower bound: without c' (exact), plus what P[j] adds to s's current cover, minus
         # s's need of P[j], which s then owns.
-        k, w, jj = model.entries(P)
-        keep = k != P[jj]
-        k, w, jj = k[keep], w[keep], jj[keep]
+        k, w, je = model.entries(P)
+        keep = k != P[je]
+        k, w, je = k[keep], w[keep], je[keep]
         gap = np.maximum(0.0, w[:, None] - self.cov1[np.ix_(S, k)].T)       # [entries, |S|]
         so_k = s_of[owner[k]]
         hit = np.flatnonzero(so_k >= 0)
         gap[hit, so_k[hit]] = 0.0                       # keys s owns cost s nothing
         add_s = np.zeros((per, len(S)))
         if len(k):
-            starts = np.searchsorted(jj, np.arange(per))
-            nonempty = np.bincount(jj, minlength=per) > 0
+            starts = np.searchsorted(je, np.arange(per))
+            nonempty = np.bincount(je, minlength=per) > 0
             add_s[nonempty] = np.add.reduceat(gap, starts[nonempty], axis=0)
-        cols = np.flatnonzero(ok_r.any(axis=0))
-        so = s_of[owner[cols]]
-        est_s = self.cost(self.load[owner[cols]][None, :] - areas[cols][None, :] + areas[P][:, None],
-                          self.rem_without[cols][None, :] + add_s[:, so] - self.cov1[np.ix_(owner[cols], P)].T)
-        score = np.full((per, n), np.inf)
-        score[:, cols] = np.where(ok_r[:, cols], np.maximum(est_r[:, cols], est_s), np.inf)
-        score = score.reshape(-1)
-        flat = np.flatnonzero(score < limit)
-        if len(flat) == 0:
+        Pj = P[jj]
+        est_s = self.cost(self.load[ss] - areas[cc] + areas[Pj],
+                          self.rem_without[cc] + add_s[jj, s_of[ss]] - self.cov1[ss, Pj])
+        score = np.maximum(est_r[jj, cc], est_s)
+        cand = np.flatnonzero(score < limit)
+        if len(cand) == 0:
             return None
-        if len(flat) > candidates_checked and self.load[r] <= self.cap:   # over the cap: try them all
-            flat = flat[np.argpartition(score[flat], candidates_checked - 1)[:candidates_checked]]
-        for f in flat[np.argsort(score[flat], kind="stable")]:
-            j, c_new = divmod(int(f), n)
-            s = int(owner[c_new])
-            Ps = self.parts[s].copy()
-            Ps[Ps == c_new] = P[j]
-            if self.cost(self.load[s] - areas[c_new] + areas[P[j]], model.remote(Ps)) < limit:
+        if len(cand) > candidates_checked and self.load[r] <= self.cap:   # over the cap: try them all
+            cand = cand[np.argpartition(score[cand], candidates_checked - 1)[:candidates_checked]]
+        for i in cand[np.argsort(score[cand], kind="stable")]:
+            j, c_new, s = int(jj[i]), int(cc[i]), int(ss[i])
+            if self.cost(self.load[s] - areas[c_new] + areas[P[j]], self.remote_after(s, c_new, P[j])) < limit:
                 return j, c_new, s
         return None
+
+    def remote_after(self, s: int, c_out: int, c_in: int) -> float:
+        """s's remote keys once it gives ``c_out`` for ``c_in``, from its tables: what ``model.remote`` of
+        the new chunk set gives (keys are integers, so the sums are exact in any order)."""
+        def cover_without(k):      # s's largest need per key chunk once c_out is gone
+            return np.where(self.arg1[s, k] == c_out, self.cov2[s, k], self.cov1[s, k])
+        m = self.model
+        k, w = m.kc[m.indptr[c_in]:m.indptr[c_in + 1]], m.tok[m.indptr[c_in]:m.indptr[c_in + 1]]
+        fetched = (k != c_in) & ((self.owner[k] != s) | (k == c_out))
+        k, w = k[fetched], w[fetched]
+        return float(self.rem_without[c_out] - cover_without(c_in) + np.maximum(0.0, w - cover_without(k)).sum())
 
     def apply(self, r: int, j: int, c_new: int, s: int) -> None:
         c = self.parts[r, j]
