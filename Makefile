@@ -25,6 +25,7 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m magi_jax demo
 	$(PY) examples/train_lm.py --steps 20
+	$(PY) examples/drop_in_attention.py
 
 test: install
 	$(PY) -m pytest -q

@@ -4,7 +4,8 @@ q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA 
 bf16, 16 heads, head dim 128 (256 for the `_d256` case), batch 1 packed. TFLOP/s count the unmasked area
 only: forward 4 * area * H * D, forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
 of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
-`ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run). Every implementation's
+`ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run), `ffa_nn` the same
+kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids, slices built on the device). Every implementation's
 output (and dq) is compared with FFA's before it is timed. The last lines check the targets of the speed
 issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
@@ -109,6 +110,17 @@ def select_kernel(impl: str) -> None:
     os.environ.update(env)
 
 
+def ffa_nn(batch: int = 1, lens: list[int] | None = None, **kwargs) -> Callable:
+    """magi_jax.dot_product_attention (the drop-in for jax.nn's) on the case's tokens as [batch, T / batch],
+    documents `lens` as segment ids: FFA plus the slices built on the device."""
+    segs = None if lens is None else np.repeat(np.arange(len(lens)) % 2, lens)[None].astype(np.int32)
+
+    def fn(q, k, v):
+        shape = lambda x: x.reshape(batch, x.shape[1] // batch, *x.shape[2:])
+        return mj.dot_product_attention(shape(q), shape(k), shape(v), segment_ids=segs, **kwargs).reshape(q.shape)
+    return fn
+
+
 def cudnn_dense_causal(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
@@ -159,13 +171,15 @@ def make_cases() -> list[Case]:
     t = 32768
     cases.append(Case("causal_32k", masks.causal(t), {
         "cudnn": lambda: cudnn_dense_causal,
-        "tokamax": lambda: tokamax(is_causal=True)}))
+        "tokamax": lambda: tokamax(is_causal=True),
+        "ffa_nn": lambda: ffa_nn(is_causal=True)}))
     for t in (32768, 65536):
         lens = doc_lengths(t, seed=t)
         starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)
         cases.append(Case(f"varlen_causal_{t // 1024}k", masks.varlen_causal(lens), {
             "cudnn": (lambda lens=lens: cudnn_varlen(lens)),
-            "tokamax": (lambda s=starts: tokamax(k_start=s, is_causal=True))}))
+            "tokamax": (lambda s=starts: tokamax(k_start=s, is_causal=True)),
+            "ffa_nn": (lambda lens=lens: ffa_nn(lens=lens, is_causal=True))}))
     t = 32768
     lens = doc_lengths(t, seed=t)
     doc = np.repeat(np.arange(len(lens)), lens)
@@ -176,7 +190,8 @@ def make_cases() -> list[Case]:
         "tokamax": lambda: tokamax(k_start=start, k_end=block_end)}))
     cases.append(Case("varlen_swa1024_32k", masks.sliding_window(lens, 1024), {
         "cudnn": lambda: cudnn_varlen(lens, window=1024),
-        "tokamax": lambda: tokamax(k_start=np.maximum(start, pos - 1023), is_causal=True)}))
+        "tokamax": lambda: tokamax(k_start=np.maximum(start, pos - 1023), is_causal=True),
+        "ffa_nn": lambda: ffa_nn(lens=lens, is_causal=True, local_window_size=(1023, 0))}))
     t = 16384
     mask = masks.shared_question(shared_question_samples(doc_lengths(t, seed=t)))
     cases.append(Case("shared_question_16k", mask, {
@@ -185,7 +200,8 @@ def make_cases() -> list[Case]:
     lens = [4096] * 8
     cases.append(Case("causal_4k_x8", masks.varlen_causal(lens), {
         "cudnn": lambda: cudnn_varlen(lens),
-        "tokamax": lambda: tokamax(k_start=np.repeat(np.arange(8) * 4096, 4096), is_causal=True)}))
+        "tokamax": lambda: tokamax(k_start=np.repeat(np.arange(8) * 4096, 4096), is_causal=True),
+        "ffa_nn": lambda: ffa_nn(batch=8, is_causal=True)}))
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
@@ -297,7 +313,7 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "cudnn", "tokamax", "xla_dense")
+           "ffa_nn", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:

@@ -1,0 +1,188 @@
+"""A drop-in for `jax.nn.dot_product_attention` on FFA, with packed documents by segment ids.
+
+Same arguments, layout ([B, T, N, H] or [T, N, H]) and mask semantics as jax.nn's: `is_causal` is top-left
+aligned (query i sees keys j <= i), `local_window_size=(left, right)` keeps keys i - left <= j <= i + right,
+`query_seq_lengths` / `key_value_seq_lengths` cut each batch element's queries and keys. `segment_ids` [B, T]
+(self-attention) adds packed documents: a token attends only within its run of equal consecutive ids.
+
+The mask becomes FFA slices on the device, three per document (the rows where the window's lower bound or the
+document's first key binds, and where its upper bound or the last key binds, give CAUSAL, BI_CAUSAL or FULL,
+and INV_CAUSAL pieces), so a jitted step takes new packings without recompiling. The slice count is static:
+`max_segments` documents per sequence (required when segment_ids are traced; a sequence with more gives NaN
+outputs, so that a training loss shows it).
+
+    >>> out = magi_jax.dot_product_attention(q, k, v, is_causal=True, segment_ids=seg, max_segments=64)
+
+Differences from jax.nn: `bias` and a dense `mask` are not taken (express the mask as slices with
+flex_flash_attn); a query row that attends no key gives 0 and lse -inf (jax.nn's xla path averages the
+values there). FFA runs per device: inside jit with sharded inputs call it under shard_map (batch over data
+parallel, heads over tensor parallel); for the sequence axis use magi_jax.calc_attn.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from magi_jax import ffa
+from magi_jax.mask import AttnMaskType
+
+SLICES_PER_DOCUMENT = 3
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
+                          is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size: int | tuple[int, int] | None = None, implementation: str | None = None,
+                          return_residual: bool = False, segment_ids=None, max_segments: int | None = None,
+                          softcap: float = 0.0, deterministic: bool = False):
+    """jax.nn.dot_product_attention's contract on FFA (see the module docstring), plus `segment_ids` [B, T]
+    with `max_segments`, `softcap` and `deterministic` (as flex_flash_attn). Returns the output shaped as
+    query, and with return_residual=True also the lse [B, T, N] (or [T, N]), float32 (jax.nn casts it to key's
+    dtype) and differentiable."""
+    if bias is not None:
+        raise ValueError("bias: not supported; express the mask as slices with magi_jax.flex_flash_attn")
+    if mask is not None:
+        raise ValueError("mask: a dense mask is not supported; use is_causal, local_window_size, the seq "
+                         "lengths and segment_ids, or slices with magi_jax.flex_flash_attn")
+    if implementation is not None:
+        raise ValueError(f"implementation: magi_jax runs FFA only; got {implementation!r}")
+    unbatched = np.ndim(query) == 3
+    for name, x in (("key", key), ("value", value)):
+        if np.ndim(x) != np.ndim(query):
+            raise ValueError(f"{name}: has {np.ndim(x)} dims, query has {np.ndim(query)}")
+    if np.ndim(query) not in (3, 4):
+        raise ValueError(f"query: expected [B, T, N, H] or [T, N, H], got shape {np.shape(query)}")
+    q, k, v = (x[None] if unbatched else x for x in (query, key, value))
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"key: batch {k.shape[0]} differs from query's {q.shape[0]}")
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    left, right = _window(local_window_size, T + S)
+    if is_causal:
+        right = min(right, 0)
+    q_len = _lengths("query_seq_lengths", query_seq_lengths, B, T)
+    kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, B, S)
+    if segment_ids is not None:
+        if T != S:
+            raise ValueError(f"segment_ids: self-attention only, but query has {T} tokens and key {S}")
+        segment_ids = _segment_ids(segment_ids, B, T, unbatched)
+        starts, ends, overflow, max_segments = _documents(segment_ids, max_segments)
+    else:
+        if max_segments is not None:
+            raise ValueError("max_segments: given without segment_ids")
+        starts, ends, overflow = jnp.zeros((B, 1), jnp.int32), jnp.full((B, 1), T, jnp.int32), None
+    # Each document's queries and keys, cut by the sequence lengths; without segments one document [0, T)
+    # of queries over [0, S) of keys.
+    qs, qe = jnp.minimum(starts, q_len[:, None]), jnp.minimum(ends, q_len[:, None])
+    if segment_ids is None:
+        ks, ke = jnp.zeros_like(starts), jnp.broadcast_to(kv_len[:, None], starts.shape)
+    else:
+        ks, ke = jnp.minimum(starts, kv_len[:, None]), jnp.minimum(ends, kv_len[:, None])
+    q_ranges, k_ranges, types = band_slices(qs, qe, ks, ke, left, right)
+    # Batch element b's tokens sit at b T (queries) and b S (keys) of the packed call.
+    q_ranges = q_ranges + (jnp.arange(B, dtype=jnp.int32) * T)[:, None, None, None]
+    k_ranges = k_ranges + (jnp.arange(B, dtype=jnp.int32) * S)[:, None, None, None]
+    empty = (q_ranges[..., 0] >= q_ranges[..., 1]) | (k_ranges[..., 0] >= k_ranges[..., 1])
+    q_ranges = jnp.where(empty[..., None], 0, q_ranges).reshape(-1, 2)
+    k_ranges = jnp.where(empty[..., None], 0, k_ranges).reshape(-1, 2)
+    types = jnp.where(empty, int(AttnMaskType.FULL), types).reshape(-1)
+    flat = lambda x: x.reshape(B * x.shape[1], *x.shape[2:])
+    out, lse = ffa.flex_flash_attn(flat(q), flat(k), flat(v), q_ranges, k_ranges, types, softmax_scale=scale,
+                                   softcap=softcap, deterministic=deterministic)
+    out, lse = out.reshape(q.shape), lse.reshape(B, T, q.shape[2])
+    if overflow is not None:
+        out = jnp.where(overflow[:, None, None, None], jnp.nan, out)
+        lse = jnp.where(overflow[:, None, None], jnp.nan, lse)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_residual else out
+
+
+def band_slices(qs, qe, ks, ke, left: int, right: int):
+    """The slices of each document's band {(i, j): qs <= i < qe, ks <= j < ke, i - left <= j <= i + right}
+    (positions in one frame): rows below a = ks + left have the lower bound ks, rows from a on i - left; rows
+    below b = ke - right the upper bound i + right, rows from b on ke - 1. So rows [qs, min(a, b)) are CAUSAL
+    over [ks, end + right), rows between a and b BI_CAUSAL over [start - left, end + right) (a <= b) or FULL
+    over [ks, ke) (b < a), rows from max(a, b) INV_CAUSAL over [start - left, ke). Arrays [...] in, ranges
+    [..., 3, 2] and types [..., 3] out (int32); a slice may be empty or reversed where its rows see nothing."""
+    qs, qe, ks, ke = (jnp.asarray(x, jnp.int32) for x in (qs, qe, ks, ke))
+    a, b = ks + left, ke - right
+    lo1, hi1 = qs, jnp.clip(jnp.minimum(a, b), qs, qe)
+    lo2, hi2 = jnp.clip(jnp.minimum(a, b), qs, qe), jnp.clip(jnp.maximum(a, b), qs, qe)
+    lo3 = jnp.clip(jnp.maximum(a, b), qs, qe)
+    band = a <= b
+    q_ranges = jnp.stack([jnp.stack([lo1, hi1], -1), jnp.stack([lo2, hi2], -1), jnp.stack([lo3, qe], -1)], -2)
+    k_ranges = jnp.stack([jnp.stack([ks, hi1 + right], -1),
+                          jnp.where(band[..., None], jnp.stack([lo2 - left, hi2 + right], -1),
+                                    jnp.stack([ks, ke], -1)),
+                          jnp.stack([lo3 - left, ke], -1)], -2)
+    middle = jnp.where(band, int(AttnMaskType.BI_CAUSAL), int(AttnMaskType.FULL))
+    types = jnp.stack([jnp.full_like(qs, int(AttnMaskType.CAUSAL)), middle,
+                       jnp.full_like(qs, int(AttnMaskType.INV_CAUSAL))], -1)
+    return q_ranges, k_ranges, types
+
+
+def _window(local_window_size, limit: int) -> tuple[int, int]:
+    """(left, right) from jax.nn's int or pair, each at most `limit` (no window: both `limit`)."""
+    if local_window_size is None:
+        return limit, limit
+    pair = (local_window_size, local_window_size) if isinstance(local_window_size, (int, np.integer)) else \
+        tuple(local_window_size) if isinstance(local_window_size, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(w, (int, np.integer)) and w >= 0 for w in pair):
+        raise ValueError(f"local_window_size: expected an int >= 0 or a pair (left, right) of them, got "
+                         f"{local_window_size!r}")
+    return min(int(pair[0]), limit), min(int(pair[1]), limit)
+
+
+def _lengths(name: str, lengths, batch: int, total: int) -> jax.Array:
+    if lengths is None:
+        return jnp.full((batch,), total, jnp.int32)
+    if np.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
+        raise ValueError(f"{name}: expected integers of shape ({batch},), got {jnp.result_type(lengths)} "
+                         f"{np.shape(lengths)}")
+    if not isinstance(lengths, jax.core.Tracer) and not np.all((np.asarray(lengths) >= 0) &
+                                                               (np.asarray(lengths) <= total)):
+        raise ValueError(f"{name}: lengths must lie in [0, {total}], got {np.asarray(lengths).tolist()}")
+    return jnp.clip(jnp.asarray(lengths, jnp.int32), 0, total)
+
+
+def _segment_ids(segment_ids, batch: int, tokens: int, unbatched: bool) -> jax.Array:
+    shape = (tokens,) if unbatched else (batch, tokens)
+    if np.shape(segment_ids) != shape or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
+        raise ValueError(f"segment_ids: expected integers of shape {shape}, got {jnp.result_type(segment_ids)} "
+                         f"{np.shape(segment_ids)}")
+    # Concrete ids stay numpy (so are the documents then, and their count is checked here); traced ones jnp.
+    xp = jnp if isinstance(segment_ids, jax.core.Tracer) else np
+    return xp.asarray(segment_ids).reshape(batch, tokens)
+
+
+def _documents(segment_ids, max_segments: int | None):
+    """Each sequence's documents, the runs of equal consecutive ids: starts and ends [B, M] (unused
+    documents empty, at T), whether a sequence has more than M runs [B], and M."""
+    B, T = segment_ids.shape
+    xp = np if isinstance(segment_ids, np.ndarray) else jnp
+    is_start = xp.concatenate([xp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    count = is_start.sum(axis=1)
+    if xp is np:
+        most = int(count.max()) if B else 0
+        if max_segments is None:
+            max_segments = max(most, 1)
+        elif most > max_segments:
+            raise ValueError(f"max_segments: a sequence has {most} documents, more than {max_segments}")
+    if max_segments is None:
+        raise ValueError("max_segments: required when segment_ids are traced (under jit): the most documents "
+                         "a sequence may hold")
+    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or max_segments < 1:
+        raise ValueError(f"max_segments: expected an int >= 1, got {max_segments!r}")
+    m = int(max_segments)
+    if xp is np:
+        starts = np.full((B, m), T, np.int32)
+        for b in range(B):
+            first = np.flatnonzero(is_start[b])
+            starts[b, :len(first)] = first
+        overflow = None  # checked above
+    else:
+        starts = jax.vmap(lambda s: jnp.nonzero(s, size=m, fill_value=T)[0])(is_start).astype(jnp.int32)
+        overflow = count > m
+    ends = xp.concatenate([starts[:, 1:], xp.full((B, 1), T, np.int32)], axis=1)
+    return jnp.asarray(starts), jnp.asarray(ends), overflow, m
