@@ -15,7 +15,7 @@ through ``SOLVERS``:
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -363,10 +363,11 @@ def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: flo
     slack = max(imbalance_cap - 1.0, 0.0)
     areas = table.areas.astype(np.float64)
     model = _RemoteModel(table)
+    fixed = _fixed_starts(table, cp, cell_cost, key_cost)     # the same for every cap: scored once
     best, best_cost = None, None
     for cap in dict.fromkeys(1.0 + fraction * slack for fraction in CAP_LADDER):   # no slack: one search
         parts = _comm_aware_at(table, cp, cell_cost, key_cost, cap, min_gain, max_moves, ranks_tried,
-                               candidates_checked)
+                               candidates_checked, fixed)
         load = np.array([areas[p].sum() for p in parts])
         rem = np.array([model.remote(p) for p in parts])
         over = max(0.0, load.max() - area_cap(areas, cp, imbalance_cap))
@@ -382,29 +383,41 @@ def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: flo
 CAP_LADDER = (1.0, 0.5, 0.25, 0.125)
 
 
-def _comm_aware_at(table: ChunkTable, cp: int, cell_cost: float, key_cost: float, imbalance_cap: float,
-                   min_gain: float, max_moves: int | None, ranks_tried: int, candidates_checked: int
-                   ) -> Partition:
-    """One search of ``comm_aware`` under one cap."""
+class _Start(NamedTuple):
+    """A start of the swap search: the partition, its largest area and its cost (the slowest rank's)."""
+
+    parts: Partition
+    largest: float
+    cost: float
+
+
+def _score_start(table: ChunkTable, parts: Partition, cell_cost: float, key_cost: float) -> _Start:
+    areas = table.areas.astype(np.float64)
+    load = np.array([areas[p].sum() for p in parts])
+    rem = predicted_remote(table, parts)
+    return _Start(parts, float(load.max()), float((cell_cost * load + key_cost * rem).max()))
+
+
+def _fixed_starts(table: ChunkTable, cp: int, cell_cost: float, key_cost: float) -> list[_Start]:
+    """Contiguous, and zigzag when each rank has an even number of chunks."""
     n = table.num_chunks
-    per = _check(n, cp)
+    starts = [contiguous(n, cp)] + ([zigzag(n, cp)] if _check(n, cp) % 2 == 0 else [])
+    return [_score_start(table, p, cell_cost, key_cost) for p in starts]
+
+
+def _comm_aware_at(table: ChunkTable, cp: int, cell_cost: float, key_cost: float, imbalance_cap: float,
+                   min_gain: float, max_moves: int | None, ranks_tried: int, candidates_checked: int,
+                   fixed: list[_Start] | None = None) -> Partition:
+    """One search of ``comm_aware`` under one cap; ``fixed``: ``_fixed_starts`` when already scored."""
     # The greedy start leads to the best searches on document masks even when it starts over the cap; a
     # start already under the cap (e.g. contiguous for sliding windows) wins when it is cheaper.
-    starts = [affinity_greedy(table, cp, key_cost / max(cell_cost, 1e-300), imbalance_cap), contiguous(n, cp)]
-    if per % 2 == 0:
-        starts.append(zigzag(n, cp))
-    model = _RemoteModel(table)
-    areas = table.areas.astype(np.float64)
-    cap = area_cap(areas, cp, imbalance_cap)
-    costs, fits = [], []
-    for start in starts:
-        load = np.array([areas[p].sum() for p in start])
-        rem = np.array([model.remote(np.asarray(p)) for p in start])
-        costs.append(float((cell_cost * load + key_cost * rem).max()))
-        fits.append(bool(load.max() <= cap))
-    pick = min((i for i in range(len(starts)) if fits[i]), key=lambda i: costs[i], default=0)
-    search = _SwapSearch(table, cp, cell_cost, key_cost, cap, starts[pick], min_gain)
-    return search.run(40 * n if max_moves is None else max_moves, ranks_tried, candidates_checked)
+    greedy = affinity_greedy(table, cp, key_cost / max(cell_cost, 1e-300), imbalance_cap)
+    fixed = _fixed_starts(table, cp, cell_cost, key_cost) if fixed is None else fixed
+    starts = [_score_start(table, greedy, cell_cost, key_cost)] + fixed
+    cap = area_cap(table.areas, cp, imbalance_cap)
+    pick = min((x for x in starts if x.largest <= cap), key=lambda x: x.cost, default=starts[0])
+    search = _SwapSearch(table, cp, cell_cost, key_cost, cap, pick.parts, min_gain)
+    return search.run(40 * table.num_chunks if max_moves is None else max_moves, ranks_tried, candidates_checked)
 
 
 def predicted_remote(table: ChunkTable, partition: Partition) -> np.ndarray:
