@@ -28,8 +28,6 @@ import numpy as np
 from magi_jax import ffa
 from magi_jax.mask import AttnMaskType
 
-SLICES_PER_DOCUMENT = 3
-
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
                           is_causal: bool = False, query_seq_lengths=None, key_value_seq_lengths=None,
