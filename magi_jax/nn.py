@@ -55,35 +55,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     if not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"key: batch {k.shape[0]} differs from query's {q.shape[0]}")
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
-    left, right = _window(local_window_size, T + S)
-    if is_causal:
-        right = min(right, 0)
-    q_len = _lengths("query_seq_lengths", query_seq_lengths, B, T)
-    kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, B, S)
-    if segment_ids is not None:
-        if T != S:
-            raise ValueError(f"segment_ids: self-attention only, but query has {T} tokens and key {S}")
-        segment_ids = _segment_ids(segment_ids, B, T, unbatched)
-        starts, ends, overflow, max_segments = _documents(segment_ids, max_segments)
-    else:
-        if max_segments is not None:
-            raise ValueError("max_segments: given without segment_ids")
-        starts, ends, overflow = jnp.zeros((B, 1), jnp.int32), jnp.full((B, 1), T, jnp.int32), None
-    # Each document's queries and keys, cut by the sequence lengths; without segments one document [0, T)
-    # of queries over [0, S) of keys.
-    qs, qe = jnp.minimum(starts, q_len[:, None]), jnp.minimum(ends, q_len[:, None])
-    if segment_ids is None:
-        ks, ke = jnp.zeros_like(starts), jnp.broadcast_to(kv_len[:, None], starts.shape)
-    else:
-        ks, ke = jnp.minimum(starts, kv_len[:, None]), jnp.minimum(ends, kv_len[:, None])
-    q_ranges, k_ranges, types = band_slices(qs, qe, ks, ke, left, right)
-    # Batch element b's tokens sit at b T (queries) and b S (keys) of the packed call.
-    q_ranges = q_ranges + (jnp.arange(B, dtype=jnp.int32) * T)[:, None, None, None]
-    k_ranges = k_ranges + (jnp.arange(B, dtype=jnp.int32) * S)[:, None, None, None]
-    empty = (q_ranges[..., 0] >= q_ranges[..., 1]) | (k_ranges[..., 0] >= k_ranges[..., 1])
-    q_ranges = jnp.where(empty[..., None], 0, q_ranges).reshape(-1, 2)
-    k_ranges = jnp.where(empty[..., None], 0, k_ranges).reshape(-1, 2)
-    types = jnp.where(empty, int(AttnMaskType.FULL), types).reshape(-1)
+    q_ranges, k_ranges, types, overflow = mask_slices(B, T, S, is_causal, local_window_size, query_seq_lengths,
+                                                      key_value_seq_lengths, segment_ids, max_segments, unbatched)
     flat = lambda x: x.reshape(B * x.shape[1], *x.shape[2:])
     out, lse = ffa.flex_flash_attn(flat(q), flat(k), flat(v), q_ranges, k_ranges, types, softmax_scale=scale,
                                    softcap=softcap, deterministic=deterministic)
@@ -96,27 +69,73 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     return (out, lse) if return_residual else out
 
 
-def band_slices(qs, qe, ks, ke, left: int, right: int):
+def mask_slices(B: int, T: int, S: int, is_causal: bool = False, local_window_size=None, query_seq_lengths=None,
+                key_value_seq_lengths=None, segment_ids=None, max_segments: int | None = None,
+                unbatched: bool = False):
+    """The FFA slices (q_ranges [N, 2], k_ranges [N, 2], types [N]) of dot_product_attention's mask over a
+    batch of B sequences packed back to back (queries at b T, keys at b S), and for traced segment ids whether
+    each sequence overflows max_segments [B] (else None)."""
+    left, right = _window(local_window_size, T + S)
+    if is_causal:
+        right = min(right, 0)
+    # Concrete ids and lengths give the slices in numpy, empty ones dropped (the call then sees the same
+    # mask as flex_flash_attn with an AttnMask); traced ones give them in jnp, a fixed count.
+    traced = any(isinstance(x, jax.core.Tracer) for x in (segment_ids, query_seq_lengths, key_value_seq_lengths))
+    xp = jnp if traced else np
+    q_len = _lengths("query_seq_lengths", query_seq_lengths, B, T, xp)
+    kv_len = _lengths("key_value_seq_lengths", key_value_seq_lengths, B, S, xp)
+    if segment_ids is not None:
+        if T != S:
+            raise ValueError(f"segment_ids: self-attention only, but query has {T} tokens and key {S}")
+        segment_ids = _segment_ids(segment_ids, B, T, unbatched)
+        starts, ends, overflow = _documents(segment_ids, max_segments, xp)
+    else:
+        if max_segments is not None:
+            raise ValueError("max_segments: given without segment_ids")
+        starts, ends, overflow = np.zeros((B, 1), np.int32), np.full((B, 1), T, np.int32), None
+    # Each document's queries and keys, cut by the sequence lengths; without segments one document [0, T)
+    # of queries over [0, S) of keys.
+    qs, qe = xp.minimum(starts, q_len[:, None]), xp.minimum(ends, q_len[:, None])
+    if segment_ids is None:
+        ks, ke = xp.zeros_like(qs), xp.broadcast_to(kv_len[:, None], qs.shape)
+    else:
+        ks, ke = xp.minimum(starts, kv_len[:, None]), xp.minimum(ends, kv_len[:, None])
+    q_ranges, k_ranges, types = band_slices(qs, qe, ks, ke, left, right, xp)
+    # Batch element b's tokens sit at b T (queries) and b S (keys) of the packed call.
+    q_ranges = q_ranges + (np.arange(B, dtype=np.int32) * T)[:, None, None, None]
+    k_ranges = k_ranges + (np.arange(B, dtype=np.int32) * S)[:, None, None, None]
+    q_ranges, k_ranges, types = q_ranges.reshape(-1, 2), k_ranges.reshape(-1, 2), types.reshape(-1)
+    empty = (q_ranges[:, 0] >= q_ranges[:, 1]) | (k_ranges[:, 0] >= k_ranges[:, 1])
+    if traced:
+        q_ranges = jnp.where(empty[:, None], 0, q_ranges)
+        k_ranges = jnp.where(empty[:, None], 0, k_ranges)
+        types = jnp.where(empty, int(AttnMaskType.FULL), types)
+    else:
+        q_ranges, k_ranges, types = q_ranges[~empty], k_ranges[~empty], types[~empty]
+    return q_ranges, k_ranges, types, overflow
+
+
+def band_slices(qs, qe, ks, ke, left: int, right: int, xp=jnp):
     """The slices of each document's band {(i, j): qs <= i < qe, ks <= j < ke, i - left <= j <= i + right}
     (positions in one frame): rows below a = ks + left have the lower bound ks, rows from a on i - left; rows
     below b = ke - right the upper bound i + right, rows from b on ke - 1. So rows [qs, min(a, b)) are CAUSAL
     over [ks, end + right), rows between a and b BI_CAUSAL over [start - left, end + right) (a <= b) or FULL
     over [ks, ke) (b < a), rows from max(a, b) INV_CAUSAL over [start - left, ke). Arrays [...] in, ranges
-    [..., 3, 2] and types [..., 3] out (int32); a slice may be empty or reversed where its rows see nothing."""
-    qs, qe, ks, ke = (jnp.asarray(x, jnp.int32) for x in (qs, qe, ks, ke))
+    [..., 3, 2] and types [..., 3] out (int32, numpy or jnp as xp); a slice may be empty or reversed where
+    its rows see nothing."""
+    qs, qe, ks, ke = (xp.asarray(x, np.int32) for x in (qs, qe, ks, ke))
     a, b = ks + left, ke - right
-    lo1, hi1 = qs, jnp.clip(jnp.minimum(a, b), qs, qe)
-    lo2, hi2 = jnp.clip(jnp.minimum(a, b), qs, qe), jnp.clip(jnp.maximum(a, b), qs, qe)
-    lo3 = jnp.clip(jnp.maximum(a, b), qs, qe)
+    lo1, hi1 = qs, xp.clip(xp.minimum(a, b), qs, qe)
+    lo2, hi2 = xp.clip(xp.minimum(a, b), qs, qe), xp.clip(xp.maximum(a, b), qs, qe)
+    lo3 = xp.clip(xp.maximum(a, b), qs, qe)
     band = a <= b
-    q_ranges = jnp.stack([jnp.stack([lo1, hi1], -1), jnp.stack([lo2, hi2], -1), jnp.stack([lo3, qe], -1)], -2)
-    k_ranges = jnp.stack([jnp.stack([ks, hi1 + right], -1),
-                          jnp.where(band[..., None], jnp.stack([lo2 - left, hi2 + right], -1),
-                                    jnp.stack([ks, ke], -1)),
-                          jnp.stack([lo3 - left, ke], -1)], -2)
-    middle = jnp.where(band, int(AttnMaskType.BI_CAUSAL), int(AttnMaskType.FULL))
-    types = jnp.stack([jnp.full_like(qs, int(AttnMaskType.CAUSAL)), middle,
-                       jnp.full_like(qs, int(AttnMaskType.INV_CAUSAL))], -1)
+    q_ranges = xp.stack([xp.stack([lo1, hi1], -1), xp.stack([lo2, hi2], -1), xp.stack([lo3, qe], -1)], -2)
+    k_ranges = xp.stack([xp.stack([ks, hi1 + right], -1),
+                         xp.where(band[..., None], xp.stack([lo2 - left, hi2 + right], -1), xp.stack([ks, ke], -1)),
+                         xp.stack([lo3 - left, ke], -1)], -2)
+    middle = xp.where(band, int(AttnMaskType.BI_CAUSAL), int(AttnMaskType.FULL))
+    types = xp.stack([xp.full_like(qs, int(AttnMaskType.CAUSAL)), middle,
+                      xp.full_like(qs, int(AttnMaskType.INV_CAUSAL))], -1)
     return q_ranges, k_ranges, types
 
 
@@ -132,55 +151,51 @@ def _window(local_window_size, limit: int) -> tuple[int, int]:
     return min(int(pair[0]), limit), min(int(pair[1]), limit)
 
 
-def _lengths(name: str, lengths, batch: int, total: int) -> jax.Array:
+def _lengths(name: str, lengths, batch: int, total: int, xp):
     if lengths is None:
-        return jnp.full((batch,), total, jnp.int32)
+        return np.full((batch,), total, np.int32)
     if np.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
         raise ValueError(f"{name}: expected integers of shape ({batch},), got {jnp.result_type(lengths)} "
                          f"{np.shape(lengths)}")
     if not isinstance(lengths, jax.core.Tracer) and not np.all((np.asarray(lengths) >= 0) &
                                                                (np.asarray(lengths) <= total)):
         raise ValueError(f"{name}: lengths must lie in [0, {total}], got {np.asarray(lengths).tolist()}")
-    return jnp.clip(jnp.asarray(lengths, jnp.int32), 0, total)
+    return xp.clip(xp.asarray(lengths, np.int32), 0, total)
 
 
-def _segment_ids(segment_ids, batch: int, tokens: int, unbatched: bool) -> jax.Array:
+def _segment_ids(segment_ids, batch: int, tokens: int, unbatched: bool):
     shape = (tokens,) if unbatched else (batch, tokens)
     if np.shape(segment_ids) != shape or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
         raise ValueError(f"segment_ids: expected integers of shape {shape}, got {jnp.result_type(segment_ids)} "
                          f"{np.shape(segment_ids)}")
-    # Concrete ids stay numpy (so are the documents then, and their count is checked here); traced ones jnp.
     xp = jnp if isinstance(segment_ids, jax.core.Tracer) else np
     return xp.asarray(segment_ids).reshape(batch, tokens)
 
 
-def _documents(segment_ids, max_segments: int | None):
+def _documents(segment_ids, max_segments: int | None, xp):
     """Each sequence's documents, the runs of equal consecutive ids: starts and ends [B, M] (unused
-    documents empty, at T), whether a sequence has more than M runs [B], and M."""
-    B, T = segment_ids.shape
-    xp = np if isinstance(segment_ids, np.ndarray) else jnp
-    is_start = xp.concatenate([xp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-    count = is_start.sum(axis=1)
-    if xp is np:
-        most = int(count.max()) if B else 0
-        if max_segments is None:
-            max_segments = max(most, 1)
-        elif most > max_segments:
-            raise ValueError(f"max_segments: a sequence has {most} documents, more than {max_segments}")
-    if max_segments is None:
-        raise ValueError("max_segments: required when segment_ids are traced (under jit): the most documents "
-                         "a sequence may hold")
-    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) or max_segments < 1:
+    documents empty, at T) as xp arrays, and for traced ids whether a sequence has more than M runs [B]
+    (concrete ids are counted here, M defaulting to the most)."""
+    if max_segments is not None and (isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer))
+                                     or max_segments < 1):
         raise ValueError(f"max_segments: expected an int >= 1, got {max_segments!r}")
-    m = int(max_segments)
-    if xp is np:
-        starts = np.full((B, m), T, np.int32)
+    B, T = segment_ids.shape
+    if isinstance(segment_ids, np.ndarray):
+        is_start = np.concatenate([np.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        most = int(is_start.sum(axis=1).max()) if B else 0
+        if max_segments is not None and most > max_segments:
+            raise ValueError(f"max_segments: a sequence has {most} documents, more than {max_segments}")
+        starts = np.full((B, max(most, 1) if max_segments is None else int(max_segments)), T, np.int32)
         for b in range(B):
             first = np.flatnonzero(is_start[b])
             starts[b, :len(first)] = first
-        overflow = None  # checked above
-    else:
-        starts = jax.vmap(lambda s: jnp.nonzero(s, size=m, fill_value=T)[0])(is_start).astype(jnp.int32)
-        overflow = count > m
-    ends = xp.concatenate([starts[:, 1:], xp.full((B, 1), T, np.int32)], axis=1)
-    return jnp.asarray(starts), jnp.asarray(ends), overflow, m
+        ends = np.concatenate([starts[:, 1:], np.full((B, 1), T, np.int32)], axis=1)
+        return xp.asarray(starts), xp.asarray(ends), None
+    if max_segments is None:
+        raise ValueError("max_segments: required when segment_ids are traced (under jit): the most documents "
+                         "a sequence may hold")
+    is_start = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    m = int(max_segments)
+    starts = jax.vmap(lambda s: jnp.nonzero(s, size=m, fill_value=T)[0])(is_start).astype(jnp.int32)
+    ends = jnp.concatenate([starts[:, 1:], jnp.full((B, 1), T, jnp.int32)], axis=1)
+    return starts, ends, is_start.sum(axis=1) > m

@@ -63,28 +63,24 @@ def random_segments(rng, T: int, docs: int) -> np.ndarray:
     return ids
 
 
-def built_mask(B, T, S, **kwargs) -> np.ndarray:
-    """The dense mask of the slices dot_product_attention passes to FFA, captured from its call."""
-    captured = {}
-
-    def spy(q, k, v, q_ranges, k_ranges, types, **kw):
-        captured["mask"] = AttnMask(np.asarray(q_ranges), np.asarray(k_ranges), np.asarray(types), q.shape[0],
-                                    k.shape[0])
-        return jnp.zeros(q.shape, q.dtype), jnp.zeros(q.shape[:2], jnp.float32)
-
-    q = jnp.zeros((B, T, 1, 64), jnp.float32)
-    k = jnp.zeros((B, S, 1, 64), jnp.float32)
-    original = mj_nn.ffa.flex_flash_attn
-    mj_nn.ffa.flex_flash_attn = spy
-    try:
-        mj.dot_product_attention(q, k, k, **kwargs)
-    finally:
-        mj_nn.ffa.flex_flash_attn = original
-    return captured["mask"].to_dense()
+def built_mask(B, T, S, traced: bool, **kwargs) -> np.ndarray:
+    """The dense mask of the slices dot_product_attention passes to FFA (magi_jax.nn.mask_slices), with
+    the segment ids and lengths concrete (numpy slices, empty ones dropped) or traced (under jit: a fixed
+    count, empty ones zeroed)."""
+    if not traced:
+        q_ranges, k_ranges, types, _ = mj_nn.mask_slices(B, T, S, **kwargs)
+    else:
+        arrays = {n: kwargs.pop(n) for n in ("query_seq_lengths", "key_value_seq_lengths", "segment_ids")
+                  if kwargs.get(n) is not None}
+        if "segment_ids" in arrays:
+            kwargs["max_segments"] = T
+        q_ranges, k_ranges, types, _ = jax.jit(lambda a: mj_nn.mask_slices(B, T, S, **kwargs, **a))(arrays)
+    return AttnMask(np.asarray(q_ranges), np.asarray(k_ranges), np.asarray(types), B * T, B * S).to_dense()
 
 
+@pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("seed", range(40))
-def test_slices_cover_exactly_jax_nn_mask(seed):
+def test_slices_cover_exactly_jax_nn_mask(seed, traced):
     """Every cell once where jax.nn's mask keeps it, nowhere else: causal or not, windows (symmetric, one
     sided, wider than the sequence, zero), sequence lengths, cross attention (T != S), segment runs."""
     rng = np.random.default_rng(seed)
@@ -98,12 +94,28 @@ def test_slices_cover_exactly_jax_nn_mask(seed):
     kv_len = rng.integers(0, S + 1, size=B).astype(np.int32) if seed % 5 in (1, 2) else None
     segs = np.stack([random_segments(rng, T, int(rng.integers(1, min(T, 6) + 1))) for _ in range(B)]) \
         if use_segments else None
-    got = built_mask(B, T, S, is_causal=is_causal, local_window_size=window, query_seq_lengths=q_len,
+    got = built_mask(B, T, S, traced, is_causal=is_causal, local_window_size=window, query_seq_lengths=q_len,
                      key_value_seq_lengths=kv_len, segment_ids=segs)
     want = block_diagonal([expected_mask(T, S, is_causal, window, None if q_len is None else q_len[b],
                                          None if kv_len is None else kv_len[b],
                                          None if segs is None else segs[b]) for b in range(B)])
     np.testing.assert_array_equal(got, want.astype(np.int32))
+
+
+def test_concrete_masks_give_exactly_the_slices_of_magi_jax_masks():
+    """Without traced arguments the call's mask is the one magi_jax.masks builds: one CAUSAL slice per
+    sequence or document, the window's pieces, no empty slices."""
+    q_ranges, k_ranges, types, overflow = mj_nn.mask_slices(8, 4096, 4096, is_causal=True)
+    assert overflow is None
+    want = mj.masks.varlen_causal([4096] * 8).kernel_args()
+    for got, w in zip((q_ranges, k_ranges, types), want):
+        np.testing.assert_array_equal(got, w)
+    lens = [300, 77, 500]
+    segs = np.repeat(np.arange(3), lens)[None]
+    args = mj_nn.mask_slices(1, 877, 877, is_causal=True, local_window_size=(99, 0), segment_ids=segs)[:3]
+    got = AttnMask(*args, 877, 877)
+    np.testing.assert_array_equal(got.to_dense(), mj.masks.sliding_window(lens, 100).to_dense())
+    assert got.num_slices == 5  # a CAUSAL head and a BI_CAUSAL band per document, the short one CAUSAL only
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
