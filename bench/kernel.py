@@ -5,7 +5,8 @@ bf16, 16 heads, head dim 128 (256 for the `_d256` case), batch 1 packed. TFLOP/s
 only: forward 4 * area * H * D, forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
 of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
 `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run), `ffa_nn` the same
-kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids, slices built on the device). Every implementation's
+kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids as constants: slices built on
+the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included). Every implementation's
 output (and dq) is compared with FFA's before it is timed. The last lines check the targets of the speed
 issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
@@ -110,14 +111,23 @@ def select_kernel(impl: str) -> None:
     os.environ.update(env)
 
 
-def ffa_nn(batch: int = 1, lens: list[int] | None = None, **kwargs) -> Callable:
+def ffa_nn(batch: int = 1, lens: list[int] | None = None, traced: bool = False, **kwargs) -> Callable:
     """magi_jax.dot_product_attention (the drop-in for jax.nn's) on the case's tokens as [batch, T / batch],
-    documents `lens` as segment ids: FFA plus the slices built on the device."""
+    documents `lens` (of the one sequence) as segment ids. traced: the ids a traced value, as in a training
+    step taking them as an argument (slices built on the device with room for twice the documents; without
+    lens, one document per sequence)."""
+    docs = lens or [None]
     segs = None if lens is None else np.repeat(np.arange(len(lens)) % 2, lens)[None].astype(np.int32)
 
     def fn(q, k, v):
         shape = lambda x: x.reshape(batch, x.shape[1] // batch, *x.shape[2:])
-        return mj.dot_product_attention(shape(q), shape(k), shape(v), segment_ids=segs, **kwargs).reshape(q.shape)
+        ids, extra = segs, {}
+        if traced:
+            ids = jnp.zeros((batch, q.shape[1] // batch), jnp.int32) if segs is None else jnp.asarray(segs)
+            ids = jax.lax.optimization_barrier(ids)  # not a constant of the jitted call
+            extra = dict(max_segments=2 * len(docs))
+        return mj.dot_product_attention(shape(q), shape(k), shape(v), segment_ids=ids, **extra,
+                                        **kwargs).reshape(q.shape)
     return fn
 
 
@@ -167,41 +177,44 @@ class Case:
 
 
 def make_cases() -> list[Case]:
+    # Each baseline is built lazily by a lambda; every value it closes over is bound once here and never
+    # rebound (until 2026-12-01 the sliding window's cuDNN baseline read a `lens` reassigned below it, and
+    # so ran on 8 documents of 4096 instead of the case's mask: BENCHMARKS.md 2026-12-01).
     cases = []
-    t = 32768
-    cases.append(Case("causal_32k", masks.causal(t), {
+    cases.append(Case("causal_32k", masks.causal(32768), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True),
-        "ffa_nn": lambda: ffa_nn(is_causal=True)}))
+        "ffa_nn": lambda: ffa_nn(is_causal=True),
+        "ffa_nn_traced": lambda: ffa_nn(is_causal=True, traced=True)}))
     for t in (32768, 65536):
         lens = doc_lengths(t, seed=t)
         starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)
         cases.append(Case(f"varlen_causal_{t // 1024}k", masks.varlen_causal(lens), {
             "cudnn": (lambda lens=lens: cudnn_varlen(lens)),
             "tokamax": (lambda s=starts: tokamax(k_start=s, is_causal=True)),
-            "ffa_nn": (lambda lens=lens: ffa_nn(lens=lens, is_causal=True))}))
-    t = 32768
-    lens = doc_lengths(t, seed=t)
-    doc = np.repeat(np.arange(len(lens)), lens)
-    start = np.cumsum([0] + lens[:-1])[doc]
-    pos = np.arange(t)
-    block_end = np.minimum(start + ((pos - start) // 2048 + 1) * 2048, start + np.array(lens)[doc])
-    cases.append(Case("varlen_block_causal_32k", masks.block_causal(lens, 2048), {
+            "ffa_nn": (lambda lens=lens: ffa_nn(lens=lens, is_causal=True)),
+            "ffa_nn_traced": (lambda lens=lens: ffa_nn(lens=lens, is_causal=True, traced=True))}))
+    docs = doc_lengths(32768, seed=32768)
+    start = np.repeat(np.cumsum([0] + docs[:-1]), docs)  # each token's document start
+    pos = np.arange(32768)
+    block_end = np.minimum(start + ((pos - start) // 2048 + 1) * 2048, np.repeat(np.cumsum(docs), docs))
+    window_start = np.maximum(start, pos - 1023)
+    cases.append(Case("varlen_block_causal_32k", masks.block_causal(docs, 2048), {
         "tokamax": lambda: tokamax(k_start=start, k_end=block_end)}))
-    cases.append(Case("varlen_swa1024_32k", masks.sliding_window(lens, 1024), {
-        "cudnn": lambda: cudnn_varlen(lens, window=1024),
-        "tokamax": lambda: tokamax(k_start=np.maximum(start, pos - 1023), is_causal=True),
-        "ffa_nn": lambda: ffa_nn(lens=lens, is_causal=True, local_window_size=(1023, 0))}))
-    t = 16384
-    mask = masks.shared_question(shared_question_samples(doc_lengths(t, seed=t)))
-    cases.append(Case("shared_question_16k", mask, {
-        "tokamax": lambda: tokamax(dense_mask=mask.to_dense() > 0),
-        "xla_dense": lambda: xla_dense(mask)}))
-    lens = [4096] * 8
-    cases.append(Case("causal_4k_x8", masks.varlen_causal(lens), {
-        "cudnn": lambda: cudnn_varlen(lens),
+    cases.append(Case("varlen_swa1024_32k", masks.sliding_window(docs, 1024), {
+        "cudnn": lambda: cudnn_varlen(docs, window=1024),
+        "tokamax": lambda: tokamax(k_start=window_start, is_causal=True),
+        "ffa_nn": lambda: ffa_nn(lens=docs, is_causal=True, local_window_size=(1023, 0)),
+        "ffa_nn_traced": lambda: ffa_nn(lens=docs, is_causal=True, local_window_size=(1023, 0), traced=True)}))
+    shared = masks.shared_question(shared_question_samples(doc_lengths(16384, seed=16384)))
+    cases.append(Case("shared_question_16k", shared, {
+        "tokamax": lambda: tokamax(dense_mask=shared.to_dense() > 0),
+        "xla_dense": lambda: xla_dense(shared)}))
+    cases.append(Case("causal_4k_x8", masks.varlen_causal([4096] * 8), {
+        "cudnn": lambda: cudnn_varlen([4096] * 8),
         "tokamax": lambda: tokamax(k_start=np.repeat(np.arange(8) * 4096, 4096), is_causal=True),
-        "ffa_nn": lambda: ffa_nn(batch=8, is_causal=True)}))
+        "ffa_nn": lambda: ffa_nn(batch=8, is_causal=True),
+        "ffa_nn_traced": lambda: ffa_nn(batch=8, is_causal=True, traced=True)}))
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
@@ -313,7 +326,7 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "cudnn", "tokamax", "xla_dense")
+           "ffa_nn", "ffa_nn_traced", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:
