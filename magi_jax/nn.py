@@ -196,6 +196,10 @@ def _documents(segment_ids, max_segments: int | None, xp):
                          "a sequence may hold")
     is_start = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     m = int(max_segments)
-    starts = jax.vmap(lambda s: jnp.nonzero(s, size=m, fill_value=T)[0])(is_start).astype(jnp.int32)
+    # The run starts in order by one sort (T where no run starts), the first m kept; a run start left over
+    # is an overflow. (jnp.nonzero(size=m) and a count took 17 small kernels to this one sort.)
+    first = jnp.sort(jnp.where(is_start, jnp.arange(T, dtype=jnp.int32), T), axis=1)
+    first = jnp.pad(first, ((0, 0), (0, max(m + 1 - T, 0))), constant_values=T)
+    starts = first[:, :m]
     ends = jnp.concatenate([starts[:, 1:], jnp.full((B, 1), T, jnp.int32)], axis=1)
-    return starts, ends, is_start.sum(axis=1) > m
+    return starts, ends, first[:, m] < T
