@@ -5,11 +5,12 @@ aligned (query i sees keys j <= i), `local_window_size=(left, right)` keeps keys
 `query_seq_lengths` / `key_value_seq_lengths` cut each batch element's queries and keys. `segment_ids` [B, T]
 (self-attention) adds packed documents: a token attends only within its run of equal consecutive ids.
 
-The mask becomes FFA slices on the device, three per document (the rows where the window's lower bound or the
-document's first key binds, and where its upper bound or the last key binds, give CAUSAL, BI_CAUSAL or FULL,
-and INV_CAUSAL pieces), so a jitted step takes new packings without recompiling. The slice count is static:
-`max_segments` documents per sequence (required when segment_ids are traced; a sequence with more gives NaN
-outputs, so that a training loss shows it).
+The mask becomes FFA slices, three per document (the rows where the window's lower bound or the document's
+first key binds, and where its upper bound or the last key binds, give CAUSAL, BI_CAUSAL or FULL, and
+INV_CAUSAL pieces): on the host for concrete segment ids and lengths (empty slices dropped), on the device for
+traced ones, so that a jitted step takes new packings without recompiling. Traced, the slice count is static:
+`max_segments` documents per sequence (required when segment_ids are traced; a sequence with more gets NaN
+in its first output row, so that a training loss shows it).
 
     >>> out = magi_jax.dot_product_attention(q, k, v, is_causal=True, segment_ids=seg, max_segments=64)
 
@@ -62,8 +63,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                                    softcap=softcap, deterministic=deterministic)
     out, lse = out.reshape(q.shape), lse.reshape(B, T, q.shape[2])
     if overflow is not None:
-        out = jnp.where(overflow[:, None, None, None], jnp.nan, out)
-        lse = jnp.where(overflow[:, None, None], jnp.nan, lse)
+        # An overflowing sequence's first row becomes NaN: enough for its loss to show it, and an update of
+        # one row in place rather than a pass over the whole output (which would not fuse into a matmul).
+        out = out.at[:, 0].set(jnp.where(overflow[:, None, None], jnp.nan, out[:, 0]))
+        lse = lse.at[:, 0].set(jnp.where(overflow[:, None], jnp.nan, lse[:, 0]))
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
