@@ -9,8 +9,8 @@ The mask becomes FFA slices, three per document (the rows where the window's low
 first key binds, and where its upper bound or the last key binds, give CAUSAL, BI_CAUSAL or FULL, and
 INV_CAUSAL pieces): on the host for concrete segment ids and lengths (empty slices dropped), on the device for
 traced ones, so that a jitted step takes new packings without recompiling. Traced, the slice count is static:
-`max_segments` documents per sequence (required when segment_ids are traced; a sequence with more gets NaN
-in its first output row, so that a training loss shows it).
+`max_segments` documents per sequence (required when segment_ids are traced; if a sequence has more, the
+batch's first output row is NaN, so that a training loss shows it).
 
     >>> out = magi_jax.dot_product_attention(q, k, v, is_causal=True, segment_ids=seg, max_segments=64)
 
@@ -61,12 +61,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     flat = lambda x: x.reshape(B * x.shape[1], *x.shape[2:])
     out, lse = ffa.flex_flash_attn(flat(q), flat(k), flat(v), q_ranges, k_ranges, types, softmax_scale=scale,
                                    softcap=softcap, deterministic=deterministic)
-    out, lse = out.reshape(q.shape), lse.reshape(B, T, q.shape[2])
     if overflow is not None:
-        # An overflowing sequence's first row becomes NaN: enough for its loss to show it, and an update of
-        # one row in place rather than a pass over the whole output (which would not fuse into a matmul).
-        out = out.at[:, 0].set(jnp.where(overflow[:, None, None], jnp.nan, out[:, 0]))
-        lse = lse.at[:, 0].set(jnp.where(overflow[:, None], jnp.nan, lse[:, 0]))
+        # The batch's first output row becomes NaN: enough for the loss to show it, and an update of one row
+        # in place (a where over the whole output cost a pass over it, +0.07 ms at 32k tokens on an H200).
+        nan_row = lambda x: jax.lax.dynamic_update_slice_in_dim(x, jnp.where(overflow, jnp.nan, x[:1]), 0, axis=0)
+        out, lse = nan_row(out), nan_row(lse)
+    out, lse = out.reshape(q.shape), lse.reshape(B, T, q.shape[2])
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
@@ -77,7 +77,7 @@ def mask_slices(B: int, T: int, S: int, is_causal: bool = False, local_window_si
                 unbatched: bool = False):
     """The FFA slices (q_ranges [N, 2], k_ranges [N, 2], types [N]) of dot_product_attention's mask over a
     batch of B sequences packed back to back (queries at b T, keys at b S), and for traced segment ids whether
-    each sequence overflows max_segments [B] (else None)."""
+    any sequence overflows max_segments (a bool scalar; else None)."""
     left, right = _window(local_window_size, T + S)
     if is_causal:
         right = min(right, 0)
@@ -177,7 +177,7 @@ def _segment_ids(segment_ids, batch: int, tokens: int, unbatched: bool):
 
 def _documents(segment_ids, max_segments: int | None, xp):
     """Each sequence's documents, the runs of equal consecutive ids: starts and ends [B, M] (unused
-    documents empty, at T) as xp arrays, and for traced ids whether a sequence has more than M runs [B]
+    documents empty, at T) as xp arrays, and for traced ids whether any sequence has more than M runs
     (concrete ids are counted here, M defaulting to the most)."""
     if max_segments is not None and (isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer))
                                      or max_segments < 1):
@@ -199,10 +199,8 @@ def _documents(segment_ids, max_segments: int | None, xp):
                          "a sequence may hold")
     is_start = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     m = int(max_segments)
-    # The run starts in order by one sort (T where no run starts), the first m kept; a run start left over
-    # is an overflow. (jnp.nonzero(size=m) and a count took 17 small kernels to this one sort.)
-    first = jnp.sort(jnp.where(is_start, jnp.arange(T, dtype=jnp.int32), T), axis=1)
-    first = jnp.pad(first, ((0, 0), (0, max(m + 1 - T, 0))), constant_values=T)
-    starts = first[:, :m]
+    # nonzero's scan and scatter: 0.05-0.07 ms on an H200 at 4k-64k tokens, against 0.12 for a sort of the
+    # starts (one long row sorts slowly; measured 2026-12-01).
+    starts = jax.vmap(lambda s: jnp.nonzero(s, size=m, fill_value=T)[0])(is_start).astype(jnp.int32)
     ends = jnp.concatenate([starts[:, 1:], jnp.full((B, 1), T, jnp.int32)], axis=1)
-    return starts, ends, first[:, m] < T
+    return starts, ends, jnp.any(is_start.sum(axis=1) > m)

@@ -183,6 +183,9 @@ def test_new_packings_do_not_recompile_and_overflow_gives_nan():
     segs = np.stack([random_segments(rng, T, 5), random_segments(rng, T, 2)])
     out = np.asarray(step(q, k, v, segs))
     assert np.isnan(out[0, 0]).all() and not np.isnan(out[0, 1:]).any() and not np.isnan(out[1]).any()
+    segs = np.stack([random_segments(rng, T, 2), random_segments(rng, T, 5)])  # the second sequence overflows
+    out = np.asarray(step(q, k, v, segs))
+    assert np.isnan(out[0, 0]).all() and np.isnan(out).sum() == out[0, 0].size
     assert len(traces) == 1
 
 
