@@ -64,6 +64,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     if overflow is not None:
         # The batch's first output row becomes NaN: enough for the loss to show it, and an update of one row
         # in place (a where over the whole output cost a pass over it, +0.07 ms at 32k tokens on an H200).
+        # (The barrier: a dynamic-update-slice straight into the custom call's result fails to compile on the
+        # GPU, "DynamicSliceFusion: DUS target must be a fusion parameter", jax 0.11.2.)
+        out, lse = jax.lax.optimization_barrier((out, lse))
         nan_row = lambda x: jax.lax.dynamic_update_slice_in_dim(x, jnp.where(overflow, jnp.nan, x[:1]), 0, axis=0)
         out, lse = nan_row(out), nan_row(lse)
     out, lse = out.reshape(q.shape), lse.reshape(B, T, q.shape[2])
@@ -201,6 +204,8 @@ def _documents(segment_ids, max_segments: int | None, xp):
     m = int(max_segments)
     # nonzero's scan and scatter: 0.05-0.07 ms on an H200 at 4k-64k tokens, against 0.12 for a sort of the
     # starts (one long row sorts slowly; measured 2026-12-01).
-    starts = jax.vmap(lambda s: jnp.nonzero(s, size=m, fill_value=T)[0])(is_start).astype(jnp.int32)
+    # One start more than kept: a sequence whose (m + 1)-th start exists overflows (no separate count).
+    first = jax.vmap(lambda s: jnp.nonzero(s, size=m + 1, fill_value=T)[0])(is_start).astype(jnp.int32)
+    starts = first[:, :m]
     ends = jnp.concatenate([starts[:, 1:], jnp.full((B, 1), T, jnp.int32)], axis=1)
-    return starts, ends, jnp.any(is_start.sum(axis=1) > m)
+    return starts, ends, jnp.any(first[:, m] < T)
