@@ -181,11 +181,9 @@ def test_new_packings_do_not_recompile_and_overflow_gives_nan():
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     assert len(traces) == 1
     segs = np.stack([random_segments(rng, T, 5), random_segments(rng, T, 2)])
-    out = np.asarray(step(q, k, v, segs))
-    assert np.isnan(out[0, 0]).all() and not np.isnan(out[0, 1:]).any() and not np.isnan(out[1]).any()
+    assert np.isnan(np.asarray(step(q, k, v, segs))).all()
     segs = np.stack([random_segments(rng, T, 2), random_segments(rng, T, 5)])  # the second sequence overflows
-    out = np.asarray(step(q, k, v, segs))
-    assert np.isnan(out[0, 0]).all() and np.isnan(out).sum() == out[0, 0].size
+    assert np.isnan(np.asarray(step(q, k, v, segs))).all()
     assert len(traces) == 1
 
 
@@ -268,7 +266,7 @@ def test_packed_causal_window_on_gpu():
 @pytest.mark.gpu
 def test_traced_segment_ids_on_gpu():
     """Segment ids as an argument of the jitted call (slices built on the device), forward alone and with
-    gradients: the same as with them concrete; an overflow makes the first output row NaN."""
+    gradients: the same as with them concrete; an overflow makes the output NaN."""
     rng = np.random.default_rng(19)
     B, T = 2, 4096
     q, k, v = (jnp.asarray(rng.standard_normal((B, T, 8, 128)), jnp.bfloat16) for _ in range(3))
@@ -278,9 +276,8 @@ def test_traced_segment_ids_on_gpu():
     fwd = jax.jit(attend, static_argnums=4)
     want = np.asarray(attend(q, k, v, segs, None), np.float32)
     np.testing.assert_allclose(np.asarray(fwd(q, k, v, segs, 8), np.float32), want, rtol=1e-2, atol=1e-2)
-    grad = jax.jit(jax.grad(lambda q, k, v, s: attend(q, k, v, s, 8).astype(jnp.float32).sum()), argnums=(0, 1, 2))
+    grad = jax.jit(jax.grad(lambda q, k, v, s: attend(q, k, v, s, 8).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
     ref = jax.grad(lambda q, k, v: attend(q, k, v, segs, None).astype(jnp.float32).sum(), argnums=(0, 1, 2))
     for g, r in zip(grad(q, k, v, segs), ref(q, k, v)):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=2e-2, atol=2e-2)
-    out = np.asarray(fwd(q, k, v, segs, 4), np.float32)
-    assert np.isnan(out[0, 0]).all() and np.isnan(out).sum() == out[0, 0].size
+    assert np.isnan(np.asarray(fwd(q, k, v, segs, 4), np.float32)).all()
