@@ -63,9 +63,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                                    softcap=softcap, deterministic=deterministic)
     if overflow is not None:
         # NaN everywhere when a sequence overflows, added as a constant outside the gradient: one elementwise
-        # pass in the forward, which XLA fuses into a consumer where it can, nothing in the backward. (One row
-        # updated in place instead cost 0.3-0.5 ms per forward+backward on an H200 around its optimization
-        # barrier, which a dynamic-update-slice into the FFI result needs to compile on the GPU.)
+        # pass in the forward (fused into a consumer where XLA can), nothing in the backward. Cheaper on paper,
+        # a NaN row updated in place measured slower (BENCHMARKS.md 2026-12-01 01:25 UTC).
         poison = jax.lax.stop_gradient(jnp.where(overflow, jnp.nan, 0.0))
         out, lse = out + poison.astype(out.dtype), lse + poison
     out, lse = out.reshape(q.shape), lse.reshape(B, T, q.shape[2])
@@ -185,8 +184,9 @@ def _documents(segment_ids, max_segments: int | None, xp):
                                      or max_segments < 1):
         raise ValueError(f"max_segments: expected an int >= 1, got {max_segments!r}")
     B, T = segment_ids.shape
-    if isinstance(segment_ids, np.ndarray):
-        is_start = np.concatenate([np.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    ids = np if isinstance(segment_ids, np.ndarray) else jnp
+    is_start = ids.concatenate([ids.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    if ids is np:
         most = int(is_start.sum(axis=1).max()) if B else 0
         if max_segments is not None and most > max_segments:
             raise ValueError(f"max_segments: a sequence has {most} documents, more than {max_segments}")
@@ -199,11 +199,9 @@ def _documents(segment_ids, max_segments: int | None, xp):
     if max_segments is None:
         raise ValueError("max_segments: required when segment_ids are traced (under jit): the most documents "
                          "a sequence may hold")
-    is_start = jnp.concatenate([jnp.ones((B, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     m = int(max_segments)
-    # nonzero's scan and scatter: 0.05-0.07 ms on an H200 at 4k-64k tokens, against 0.12 for a sort of the
-    # starts (one long row sorts slowly; measured 2026-12-01).
-    # One start more than kept: a sequence whose (m + 1)-th start exists overflows (no separate count).
+    # nonzero (a scan and a scatter: 0.05-0.07 ms on an H200 at 4k-64k tokens; a sort took 0.12), for one
+    # start more than kept: a sequence whose (m + 1)-th start exists overflows.
     first = jax.vmap(lambda s: jnp.nonzero(s, size=m + 1, fill_value=T)[0])(is_start).astype(jnp.int32)
     starts = first[:, :m]
     ends = jnp.concatenate([starts[:, 1:], jnp.full((B, 1), T, jnp.int32)], axis=1)
