@@ -6,7 +6,8 @@ only: forward 4 * area * H * D, forward+backward 3.5x that (DESIGN.md section 5)
 of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
 `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run), `ffa_nn` the same
 kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids as constants: slices built on
-the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included). Every implementation's
+the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included), `jax_nn`
+jax.nn.dot_product_attention itself (cuDNN) on the batch of causal_4k_x8. Every implementation's
 output (and dq) is compared with FFA's before it is timed. The last lines check the targets of the speed
 issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
@@ -135,6 +136,15 @@ def cudnn_dense_causal(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
+def jax_nn_batched(batch: int) -> Callable:
+    """jax.nn.dot_product_attention (cuDNN) on the tokens as [batch, T / batch], causal: what ffa_nn drops in for."""
+    def fn(q, k, v):
+        shape = lambda x: x.reshape(batch, x.shape[1] // batch, *x.shape[2:])
+        return jax.nn.dot_product_attention(shape(q), shape(k), shape(v), is_causal=True,
+                                            implementation="cudnn").reshape(q.shape)
+    return fn
+
+
 def cudnn_varlen(lens: list[int], window: int | None = None, head_dim: int = D) -> Callable:
     from jax._src.cudnn import fused_attention_stablehlo as fa
     starts = np.cumsum([0] + lens[:-1]).astype(np.int32)
@@ -214,7 +224,8 @@ def make_cases() -> list[Case]:
         "cudnn": lambda: cudnn_varlen([4096] * 8),
         "tokamax": lambda: tokamax(k_start=np.repeat(np.arange(8) * 4096, 4096), is_causal=True),
         "ffa_nn": lambda: ffa_nn(batch=8, is_causal=True),
-        "ffa_nn_traced": lambda: ffa_nn(batch=8, is_causal=True, traced=True)}))
+        "ffa_nn_traced": lambda: ffa_nn(batch=8, is_causal=True, traced=True),
+        "jax_nn": lambda: jax_nn_batched(8)}))
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
@@ -326,7 +337,7 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "ffa_nn_traced", "cudnn", "tokamax", "xla_dense")
+           "ffa_nn", "ffa_nn_traced", "jax_nn", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:
