@@ -64,7 +64,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     if overflow is not None:
         # NaN everywhere when a sequence overflows, added as a constant outside the gradient: one elementwise
         # pass in the forward (fused into a consumer where XLA can), nothing in the backward. Cheaper on paper,
-        # a NaN row updated in place measured slower (BENCHMARKS.md 2026-12-01 01:25 UTC).
+        # a NaN row updated in place measured slower (BENCHMARKS.md 2026-12-01 01:03 UTC).
         poison = jax.lax.stop_gradient(jnp.where(overflow, jnp.nan, 0.0))
         out, lse = out + poison.astype(out.dtype), lse + poison
     out, lse = out.reshape(q.shape), lse.reshape(B, T, q.shape[2])
