@@ -112,23 +112,26 @@ def select_kernel(impl: str) -> None:
     os.environ.update(env)
 
 
+def as_batch(x, batch: int):
+    """A case's [1, T, H, D] as [batch, T / batch, H, D]."""
+    return x.reshape(batch, x.shape[1] // batch, *x.shape[2:])
+
+
 def ffa_nn(batch: int = 1, lens: list[int] | None = None, traced: bool = False, **kwargs) -> Callable:
     """magi_jax.dot_product_attention (the drop-in for jax.nn's) on the case's tokens as [batch, T / batch],
     documents `lens` (of the one sequence) as segment ids. traced: the ids a traced value, as in a training
     step taking them as an argument (slices built on the device with room for twice the documents; without
     lens, one document per sequence)."""
-    docs = lens or [None]
     segs = None if lens is None else np.repeat(np.arange(len(lens)) % 2, lens)[None].astype(np.int32)
 
     def fn(q, k, v):
-        shape = lambda x: x.reshape(batch, x.shape[1] // batch, *x.shape[2:])
         ids, extra = segs, {}
         if traced:
             ids = jnp.zeros((batch, q.shape[1] // batch), jnp.int32) if segs is None else jnp.asarray(segs)
             ids = jax.lax.optimization_barrier(ids)  # not a constant of the jitted call
-            extra = dict(max_segments=2 * len(docs))
-        return mj.dot_product_attention(shape(q), shape(k), shape(v), segment_ids=ids, **extra,
-                                        **kwargs).reshape(q.shape)
+            extra = dict(max_segments=2 * (len(lens) if lens else 1))
+        return mj.dot_product_attention(as_batch(q, batch), as_batch(k, batch), as_batch(v, batch), segment_ids=ids,
+                                        **extra, **kwargs).reshape(q.shape)
     return fn
 
 
@@ -139,9 +142,8 @@ def cudnn_dense_causal(q, k, v):
 def jax_nn_batched(batch: int) -> Callable:
     """jax.nn.dot_product_attention (cuDNN) on the tokens as [batch, T / batch], causal: what ffa_nn drops in for."""
     def fn(q, k, v):
-        shape = lambda x: x.reshape(batch, x.shape[1] // batch, *x.shape[2:])
-        return jax.nn.dot_product_attention(shape(q), shape(k), shape(v), is_causal=True,
-                                            implementation="cudnn").reshape(q.shape)
+        return jax.nn.dot_product_attention(as_batch(q, batch), as_batch(k, batch), as_batch(v, batch),
+                                            is_causal=True, implementation="cudnn").reshape(q.shape)
     return fn
 
 

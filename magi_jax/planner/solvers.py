@@ -361,21 +361,14 @@ def comm_aware(table: ChunkTable, cp: int, cell_cost: float = 1.0, key_cost: flo
     1.0007 and 12662 -> 11946 keys: forward+backward -1.1% (BENCHMARKS.md 2026-11-30 18:20).
     """
     slack = max(imbalance_cap - 1.0, 0.0)
-    areas = table.areas.astype(np.float64)
-    model = _RemoteModel(table)
+    cap = area_cap(table.areas, cp, imbalance_cap)
     fixed = _fixed_starts(table, cp, cell_cost, key_cost)     # the same for every cap: scored once
-    best, best_cost = None, None
-    for cap in dict.fromkeys(1.0 + fraction * slack for fraction in CAP_LADDER):   # no slack: one search
-        parts = _comm_aware_at(table, cp, cell_cost, key_cost, cap, min_gain, max_moves, ranks_tried,
-                               candidates_checked, fixed)
-        load = np.array([areas[p].sum() for p in parts])
-        rem = np.array([model.remote(p) for p in parts])
-        over = max(0.0, load.max() - area_cap(areas, cp, imbalance_cap))
-        cost = (over, float((cell_cost * load + key_cost * rem).max()))
-        if best is None or cost < best_cost:
-            best, best_cost = parts, cost
-    largest = max(areas[p].sum() for p in best)
-    polish = _SwapSearch(table, cp, cell_cost, key_cost, largest, best, polish_gain)
+    ladder = dict.fromkeys(1.0 + fraction * slack for fraction in CAP_LADDER)   # no slack: one search
+    found = [_comm_aware_at(table, cp, cell_cost, key_cost, c, min_gain, max_moves, ranks_tried, candidates_checked,
+                            fixed) for c in ladder]
+    scored = (_score_start(table, parts, cell_cost, key_cost) for parts in found)
+    best = min(scored, key=lambda x: (max(0.0, x.largest - cap), x.cost))   # area over the cap first, then cost
+    polish = _SwapSearch(table, cp, cell_cost, key_cost, best.largest, best.parts, polish_gain)
     return polish.run(40 * table.num_chunks if max_moves is None else max_moves, ranks_tried, candidates_checked)
 
 
