@@ -155,12 +155,15 @@ def _window(local_window_size, limit: int) -> tuple[int, int]:
     return min(int(pair[0]), limit), min(int(pair[1]), limit)
 
 
+def _check_ints(name: str, x, shape: tuple) -> None:
+    if np.shape(x) != shape or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+        raise ValueError(f"{name}: expected integers of shape {shape}, got {jnp.result_type(x)} {np.shape(x)}")
+
+
 def _lengths(name: str, lengths, batch: int, total: int, xp):
     if lengths is None:
         return np.full((batch,), total, np.int32)
-    if np.shape(lengths) != (batch,) or not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
-        raise ValueError(f"{name}: expected integers of shape ({batch},), got {jnp.result_type(lengths)} "
-                         f"{np.shape(lengths)}")
+    _check_ints(name, lengths, (batch,))
     if not isinstance(lengths, jax.core.Tracer) and not np.all((np.asarray(lengths) >= 0) &
                                                                (np.asarray(lengths) <= total)):
         raise ValueError(f"{name}: lengths must lie in [0, {total}], got {np.asarray(lengths).tolist()}")
@@ -168,10 +171,7 @@ def _lengths(name: str, lengths, batch: int, total: int, xp):
 
 
 def _segment_ids(segment_ids, batch: int, tokens: int, unbatched: bool):
-    shape = (tokens,) if unbatched else (batch, tokens)
-    if np.shape(segment_ids) != shape or not jnp.issubdtype(jnp.result_type(segment_ids), jnp.integer):
-        raise ValueError(f"segment_ids: expected integers of shape {shape}, got {jnp.result_type(segment_ids)} "
-                         f"{np.shape(segment_ids)}")
+    _check_ints("segment_ids", segment_ids, (tokens,) if unbatched else (batch, tokens))
     xp = jnp if isinstance(segment_ids, jax.core.Tracer) else np
     return xp.asarray(segment_ids).reshape(batch, tokens)
 
