@@ -223,6 +223,7 @@ def _qkv4(B=1, T=8, S=8):
     (dict(local_window_size=(1, 2, 3)), "local_window_size"),
     (dict(query_seq_lengths=np.array([3, 4])), "query_seq_lengths"),
     (dict(key_value_seq_lengths=np.array([9])), "key_value_seq_lengths"),
+    (dict(query_seq_lengths=np.array([9])), "query_seq_lengths: lengths must lie in"),
     (dict(segment_ids=np.zeros((1, 7), np.int32)), "segment_ids"),
     (dict(segment_ids=np.zeros((1, 8), np.float32)), "segment_ids"),
     (dict(segment_ids=np.arange(8, dtype=np.int32)[None], max_segments=3), "max_segments"),
