@@ -1,5 +1,6 @@
 // Device construction of the per-block slice lists (see block_lists.h).
 #include "block_lists.h"
+#include "launch.h"
 
 namespace magi_jax::cuda {
 namespace {
@@ -12,6 +13,8 @@ template <bool kFill>
 __global__ void __launch_bounds__(kStage) ListKernel(SliceArgs args, int axis, int block, int num_blocks,
                                                      int64_t* offsets, int32_t* ids, int64_t capacity) {
   __shared__ int2 ranges[kStage];
+  WaitPriorGrid();  // chained (the fill): the scan's offsets
+  LaunchDependents();
   const int x = blockIdx.x * kStage + threadIdx.x;
   const int x0 = x * block, x1 = x0 + block;
   int64_t pos = 0;
@@ -53,6 +56,8 @@ __global__ void __launch_bounds__(kStage) ListKernel(SliceArgs args, int axis, i
 constexpr int kScanThreads = 1024;
 __global__ void __launch_bounds__(kScanThreads) ScanKernel(int64_t* offsets, int n) {
   __shared__ int64_t partial[kScanThreads];
+  WaitPriorGrid();
+  LaunchDependents();
   const int per = (n + kScanThreads - 1) / kScanThreads;
   const int b = 1 + threadIdx.x * per, e = min(n + 1, b + per);
   int64_t sum = 0;
@@ -79,12 +84,16 @@ cudaError_t BuildBlockLists(const SliceArgs& args, int axis, int block, int64_t*
   const int num_blocks = NumBlocks(axis == kAxisQ ? args.tq : args.tk, block);
   if (num_blocks == 0) return cudaMemsetAsync(offsets, 0, sizeof(int64_t), stream);
   const int grid = (num_blocks + kStage - 1) / kStage;
-  ListKernel<false><<<grid, kStage, 0, stream>>>(args, axis, block, num_blocks, offsets, ids, capacity);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  ScanKernel<<<1, kScanThreads, 0, stream>>>(offsets, num_blocks);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  ListKernel<true><<<grid, kStage, 0, stream>>>(args, axis, block, num_blocks, offsets, ids, capacity);
-  return cudaGetLastError();
+  // The first launch follows whatever came before the call; the scan and the fill are chained to it.
+  if (cudaError_t err = LaunchKernel(ListKernel<false>, grid, kStage, 0, stream, Follows::kAnything, args, axis, block,
+                                     num_blocks, offsets, ids, capacity);
+      err != cudaSuccess)
+    return err;
+  if (cudaError_t err = LaunchKernel(ScanKernel, 1, kScanThreads, 0, stream, Follows::kOurKernel, offsets, num_blocks);
+      err != cudaSuccess)
+    return err;
+  return LaunchKernel(ListKernel<true>, grid, kStage, 0, stream, Follows::kOurKernel, args, axis, block, num_blocks,
+                      offsets, ids, capacity);
 }
 
 }  // namespace magi_jax::cuda

@@ -55,6 +55,7 @@ __global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* o
 template <typename T>
 __global__ void __launch_bounds__(kElementwiseThreads) DqConvertKernel(const float* acc, T* dq, int64_t n) {
   constexpr int64_t kPerPass = int64_t(kElementwiseThreads) * 8, kPerIter = kPerPass * kDeltaUnroll;
+  WaitPriorGrid();  // a chained launch (launch.h LaunchKernel): the dK/dV kernel's dQ
   for (int64_t base = int64_t(blockIdx.x) * kPerIter; base < n; base += int64_t(gridDim.x) * kPerIter) {
     float4 a[kDeltaUnroll][2];
 #pragma unroll

@@ -477,6 +477,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   const SliceArgs& args = bp.slices;
   const int group = bp.hq / bp.hkv;
   int* tile_kh = reinterpret_cast<int*>(smem + Tile::kBarOffset + Region::kTileOffset);
+  WaitPriorGrid();  // launched chained to the tile order's kernels (launch_bwd_sm90.cu)
   const uint32_t tile_addr = SmemAddr(tile_kh);
 
   if (tid == 0) {

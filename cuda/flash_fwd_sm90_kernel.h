@@ -177,6 +177,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   const int tid = threadIdx.x, lane = tid & 31, warp = __shfl_sync(0xffffffffu, tid >> 5, 0), wg = warp >> 2;
   const FwdParams& fp = p.base;
   const SliceArgs& args = fp.slices;
+  WaitPriorGrid();  // launched chained to the order kernel (launch_fwd_sm90.cu)
 
   if (tid == 0) {
     for (int i = 0; i < Tile::kQStages; ++i) {

@@ -182,9 +182,6 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   FwdParams p{};
   p.lists = TakeLists(carver, q_sizes, kAxisQ, kQBlock, &offsets, &ids);
   int32_t* sm90_scratch = sm90 ? carver.Take<int32_t>(FwdSm90ScratchInts(dims->tq)) : nullptr;
-  if (cudaError_t err = BuildBlockLists(args, kAxisQ, kQBlock, offsets, ids, q_sizes.capacity, stream);
-      err != cudaSuccess)
-    return CudaFailure("slice lists", err);
 
   p.q = q.untyped_data();
   p.k = k.untyped_data();
@@ -211,6 +208,9 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     p.out_prev = out->untyped_data();
     p.lse_prev = lse->typed_data();
   }
+  if (cudaError_t err = BuildBlockLists(args, kAxisQ, kQBlock, offsets, ids, q_sizes.capacity, stream);
+      err != cudaSuccess)
+    return CudaFailure("slice lists", err);
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 #include "params.h"
 
@@ -23,6 +24,32 @@ inline cudaError_t CurrentDeviceSms(int* sms) {
 inline bool EnvEquals(const char* name, const char* value) {
   const char* env = std::getenv(name);
   return env != nullptr && std::strcmp(env, value) == 0;
+}
+
+// What a launch follows on the stream. kAnything (a copy, a memset, an event wait, another library's kernel):
+// a plain launch, which starts once all of it is done. kOurKernel: a kernel of this library, launched plainly
+// or itself chained (and so done only after all before it): the launch is a programmatic dependent of it
+// (ptx.h WaitPriorGrid, which the kernel must call before it reads what came before), so that its launch
+// latency passes under that kernel. Only right after a kernel: a chained launch is not held back by a copy
+// or an event wait between.
+enum class Follows { kAnything, kOurKernel };
+
+// kernel<<<grid, block, smem, stream>>>(args...), chained where it follows one of our kernels. MAGI_JAX_PDL=0
+// launches everything plainly (bench/kernel.py column ffa@MAGI_JAX_PDL=0).
+template <typename... Params, typename... Args>
+cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                         Follows follows, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attr;
+  config.numAttrs = follows == Follows::kOurKernel && !EnvEquals("MAGI_JAX_PDL", "0") ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
 template <typename T, int D>

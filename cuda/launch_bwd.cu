@@ -65,8 +65,8 @@ cudaError_t LaunchDqConvert(const float* acc, T* dq, int64_t n, cudaStream_t str
   const int64_t per_iter = int64_t(kElementwiseThreads) * 8 * kDeltaUnroll;
   unsigned grid = 0;
   if (cudaError_t err = StridedGrid((n + per_iter - 1) / per_iter, &grid); err != cudaSuccess) return err;
-  DqConvertKernel<T><<<grid, kElementwiseThreads, 0, stream>>>(acc, dq, n);
-  return cudaGetLastError();
+  // Right after the dK/dV kernel.
+  return LaunchKernel(DqConvertKernel<T>, grid, kElementwiseThreads, 0, stream, Follows::kOurKernel, acc, dq, n);
 }
 
 #define MAGI_INSTANTIATE_BWD(T, D)                                                      \

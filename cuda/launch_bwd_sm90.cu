@@ -25,22 +25,25 @@ namespace {
 constexpr int kWorkWarps = 8;
 constexpr int kTileThreads = 256;
 
-// The work of k block kb, KvBlockWork (BN keys, row steps of BM), recorded (RecordWork). A warp per k block.
+// The work of k block kb, KvBlockWork (BN keys, row steps of BM). A warp per k block.
 template <int BN, int BM>
 __global__ void __launch_bounds__(kWorkWarps * 32) BwdWorkKernel(SliceArgs args, BlockLists lists, int num_kb,
-                                                                 int group, int32_t* work, unsigned long long* stats) {
+                                                                 int group, int32_t* work) {
+  LaunchDependents();  // launched plainly (it follows the delta pass or its copy): the sort may start
   const int kb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
   if (kb >= num_kb) return;  // whole warps leave together
   const SliceWalk walk(args, lists, kb / (kKBlock / BN));
   const int64_t c0 = int64_t(kb) * BN;
   const int w = KvBlockWork(walk, args, c0, c0 + BN, group, BM);
-  if ((threadIdx.x & 31) == 0) RecordWork(work, stats, kb, w);
+  if ((threadIdx.x & 31) == 0) work[kb] = w;
 }
 
 // tiles[t] = k block + num_kb * kv head of the grid's t-th CTA (SectionTile over kv heads, sections of `per`).
 __global__ void __launch_bounds__(kTileThreads) BwdTilesKernel(const int32_t* order, int num_kb, int hkv, int per,
                                                                const unsigned long long* stats, int ctas,
                                                                int32_t* tiles) {
+  WaitPriorGrid();  // the order and its stats
+  LaunchDependents();
   const int64_t t = int64_t(blockIdx.x) * kTileThreads + threadIdx.x;
   if (t >= int64_t(num_kb) * hkv) return;
   const int tail_first = TailFirstHead(hkv, 1, per, stats[0], stats[1], ctas);
@@ -71,16 +74,21 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes
   int32_t* work = scratch + 4;
   int32_t* order = work + num_kb;
   int32_t* tiles = order + num_kb;
-  if (cudaError_t err = cudaMemsetAsync(stats, 0, 2 * sizeof(unsigned long long), stream); err != cudaSuccess)
+  // The sort, the tiles and the dK/dV kernel are chained launches (launch.h LaunchKernel): no launch latency
+  // between them.
+  if (cudaError_t err = LaunchKernel(BwdWorkKernel<BN, BM>, (num_kb + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32,
+                                     0, stream, Follows::kAnything, p.slices, p.k_lists, num_kb, group, work);
+      err != cudaSuccess)
     return err;
-  BwdWorkKernel<BN, BM><<<(num_kb + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
-      p.slices, p.k_lists, num_kb, group, work, stats);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  if (cudaError_t err = LaunchLongestFirst(work, num_kb, false, order, stream); err != cudaSuccess) return err;
+  if (cudaError_t err = LaunchLongestFirst(work, num_kb, false, {order, stats, nullptr, nullptr}, stream);
+      err != cudaSuccess)
+    return err;
   const int64_t num_tiles = int64_t(num_kb) * p.hkv;
-  BwdTilesKernel<<<unsigned((num_tiles + kTileThreads - 1) / kTileThreads), kTileThreads, 0, stream>>>(
-      order, num_kb, p.hkv, per, stats, sms, tiles);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (cudaError_t err = LaunchKernel(BwdTilesKernel, unsigned((num_tiles + kTileThreads - 1) / kTileThreads),
+                                     kTileThreads, 0, stream, Follows::kOurKernel, order, num_kb, p.hkv, per, stats, sms,
+                                     tiles);
+      err != cudaSuccess)
+    return err;
   *tiles_out = tiles;
   return cudaSuccess;
 }
@@ -160,8 +168,9 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
                                                                      stream, &sp.tiles);
       err != cudaSuccess)
     return err;
-  kernel<<<dim3(num_blocks, p.hkv), Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
-  return cudaGetLastError();
+  // Chained to the tiles' kernel where there is one; else it follows the delta pass or a copy.
+  return LaunchKernel(kernel, dim3(num_blocks, p.hkv), Tile::kThreads, Tile::kSmemBytes, stream,
+                      sp.tiles != nullptr ? Follows::kOurKernel : Follows::kAnything, sp);
 }
 
 template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 64>(const BwdParams&, bool, int32_t*, cudaStream_t,

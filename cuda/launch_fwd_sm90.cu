@@ -1,5 +1,6 @@
 // The sm90 forward's launcher: tensor maps (built here on the host from device pointers and static shapes:
-// no synchronisation), the longest-first tile order (two small kernels: work here, the sort tile_order.cu),
+// no synchronisation), the longest-first tile order (two small kernels chained to the lists' and to the
+// attention kernel: work here, the sort tile_order.cu),
 // the persistent grid, and the
 // instantiations (bf16, fp16) x (D 64, 128, 256).
 #include <cuda.h>
@@ -20,19 +21,16 @@ namespace {
 
 constexpr int kWorkWarps = 8;
 
-// The work of q block qb, key tiles visited plus one (scheduler_sm90.h), recorded (RecordWork); *live += 1
-// when the block has keys. One warp per q block.
+// The work of q block qb, key tiles visited plus one (scheduler_sm90.h). One warp per q block.
 template <int BN>
 __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args, BlockLists lists, int num_blocks,
-                                                                 int32_t* work, unsigned long long* stats,
-                                                                 int32_t* live) {
+                                                                 int32_t* work) {
+  WaitPriorGrid();  // the lists
+  LaunchDependents();
   const int qb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
   if (qb >= num_blocks) return;  // whole warps leave together
   const int w = FwdBlockWork(args, lists, qb, kQBlock, BN);
-  if ((threadIdx.x & 31) == 0) {
-    RecordWork(work, stats, qb, w);
-    if (w > 1) atomicAdd(live, 1);
-  }
+  if ((threadIdx.x & 31) == 0) work[qb] = w;
 }
 
 
@@ -97,13 +95,19 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   int32_t* work = live + 1;
   int32_t* order = work + num_blocks;
   const Sched sched = SchedFromEnv();
-  if (cudaError_t err = cudaMemsetAsync(scratch, 0, 6 * sizeof(int32_t), stream); err != cudaSuccess) return err;
+  // The work, the order and the attention kernel, each chained to the kernel before (the lists' fill first;
+  // launch.h LaunchKernel), so that no launch latency separates them; the order kernel also writes the stats,
+  // live and the counter.
   if (sched == Sched::kLpt) {
-    FwdWorkKernel<Tile::kBlockN><<<(num_blocks + kWorkWarps - 1) / kWorkWarps, kWorkWarps * 32, 0, stream>>>(
-        p.slices, p.lists, num_blocks, work, stats, live);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    if (cudaError_t err = LaunchKernel(FwdWorkKernel<Tile::kBlockN>, (num_blocks + kWorkWarps - 1) / kWorkWarps,
+                                       kWorkWarps * 32, 0, stream, Follows::kOurKernel, p.slices, p.lists, num_blocks,
+                                       work);
+        err != cudaSuccess)
+      return err;
   }
-  if (cudaError_t err = LaunchLongestFirst(work, num_blocks, sched != Sched::kLpt, order, stream); err != cudaSuccess)
+  if (cudaError_t err = LaunchLongestFirst(work, num_blocks, sched != Sched::kLpt, {order, stats, live, counter},
+                                           stream);
+      err != cudaSuccess)
     return err;
 
   sp.base = p;
@@ -123,8 +127,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   // left out of the grid (at least one CTA stays).
   const int ctas = std::max(1, sms - p.sm_margin);
   const int grid = sp.num_tiles < ctas || sched == Sched::kGrid ? sp.num_tiles : ctas;
-  kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(sp);
-  return cudaGetLastError();
+  return LaunchKernel(kernel, grid, Tile::kThreads, Tile::kSmemBytes, stream, Follows::kOurKernel, sp);
 }
 
 template cudaError_t LaunchFwdSm90<__nv_bfloat16, 64>(const FwdParams&, int32_t*, cudaStream_t);

@@ -17,6 +17,15 @@ namespace magi_jax::cuda {
 
 MAGI_DEV uint32_t SmemAddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
+// Programmatic dependent launch (sm_90; launch.h LaunchKernel): a chained kernel may start while the kernel
+// before it on the stream is still running, so that the launch latency between the small preparation kernels
+// and the attention kernel passes under the previous kernel. It must wait here before it touches anything
+// that kernel (or, transitively, anything before it on the stream) writes; for a kernel launched plainly the
+// wait returns at once.
+MAGI_DEV void WaitPriorGrid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+// Lets the next chained kernel be launched now; its CTAs then wait in WaitPriorGrid until this grid is done.
+MAGI_DEV void LaunchDependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 // 16 bytes global -> shared; src_bytes = 0 writes zeros and reads nothing.
 MAGI_DEV void CpAsync16(void* smem, const void* gmem, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddr(smem)), "l"(gmem),

@@ -38,8 +38,8 @@ struct FwdSm90Params {
   // skipped (the order lists them last). Null: every tile is visited.
   const int32_t* live_blocks;
   int section_heads;     // q heads per L2 section: a multiple of hq / hkv
-  // [0] the work of one head's q blocks, [1] the largest q block's (FwdWorkKernel's atomics; zero when the
-  // work is not computed: no tail merge)
+  // [0] the work of one head's q blocks, [1] the largest q block's (written by the order kernel, tile_order.h
+  // OrderOutputs; zero when the work is not computed: no tail merge)
   const unsigned long long* work_stats;
 };
 

@@ -32,14 +32,6 @@ MAGI_DEV int TailFirstHead(int heads, int group, int per, unsigned long long tot
   return tail >= heads ? 0 : (heads - tail) / per * per;
 }
 
-// One block's work w, counted by a work kernel (one thread per block): work[b] = w, and the stats that
-// TailFirstHead reads: stats[0] += w (total), stats[1] = the largest (longest).
-MAGI_DEV void RecordWork(int32_t* work, unsigned long long* stats, int b, int w) {
-  work[b] = w;
-  atomicAdd(&stats[0], static_cast<unsigned long long>(w));
-  atomicMax(&stats[1], static_cast<unsigned long long>(w));
-}
-
 // Tile t -> (block, head): sections of `per` heads before head tail_first, then one section of the rest;
 // within a section, tile i is block order[i / width], head first + i % width (a block's heads side by side).
 MAGI_DEV void SectionTile(const int32_t* order, int num_blocks, int heads, int per, int tail_first, int t,
@@ -64,9 +56,21 @@ MAGI_DEV void SectionTile(const int32_t* order, int num_blocks, int heads, int p
 // it, for tests and measurements).
 int64_t L2SectionBudget(int device);
 
-// order = the n blocks by decreasing work[] (a counting sort in one CTA, work clamped to 4095; ties in any
-// order, which changes when a tile runs, never its result); with last_first, blocks n - 1 down to 0 instead
-// (work not read).
-cudaError_t LaunchLongestFirst(const int32_t* work, int n, bool last_first, int32_t* order, cudaStream_t stream);
+// What the order kernel writes: the order; beside it (each where not null) stats[0] the work of all blocks and
+// stats[1] the largest (TailFirstHead's total and longest; zeros with last_first), *live the blocks with any
+// step (work > 1), and *counter = 0 (the forward's persistent CTAs take their tiles from it). Computed in the
+// sort's one CTA rather than by atomics in the work kernels, so that nothing needs zeroing before them.
+struct OrderOutputs {
+  int32_t* order;
+  unsigned long long* stats;
+  int32_t* live;
+  int32_t* counter;
+};
+
+// The n blocks by decreasing work[] (a counting sort in one CTA, work clamped to 4095; ties in any order, which
+// changes when a tile runs, never its result); with last_first, blocks n - 1 down to 0 instead (work not
+// read). Chained (launch.h LaunchKernel): it follows the work kernel, or the lists' when there is none.
+cudaError_t LaunchLongestFirst(const int32_t* work, int n, bool last_first, const OrderOutputs& out,
+                               cudaStream_t stream);
 
 }  // namespace magi_jax::cuda

@@ -6,6 +6,7 @@ import importlib.util
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -143,3 +144,19 @@ def test_drop_in_baselines_compute_the_cases_mask(kernel_bench, case_name):
     for impl in ("ffa_nn", "ffa_nn_traced"):
         got = np.asarray(jax.jit(case.baselines[impl]())(q, k, v))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
+
+
+def test_window_sweep_counts_the_key_tiles_of_each_walk():
+    from bench import window_sweep as ws
+    from magi_jax import masks
+
+    lens, w = [300, 700, 536], 200
+    ks = ws.window_start(lens, w)
+    starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)
+    assert ks.tolist() == [max(int(s), q - w + 1) for q, s in enumerate(starts)]
+    # tokamax's walk: per q block, every 128-key tile from the one holding its least first key to its own.
+    brute = sum(1 for b in range(len(ks) // 128) for j in range(b + 1) if (j + 1) * 128 > ks[b * 128:(b + 1) * 128].min())
+    assert ws.aligned_steps(ks) == brute
+    # FFA's walk on one document of 4096, window 1024: q blocks 0-7 in the causal head (b + 1 tiles each),
+    # 8-31 in the band, whose 128 rows see 1024 + 127 keys from the span's first: 9 tiles.
+    assert ws.ffa_steps(masks.sliding_window([4096], 1024)) == sum(range(1, 9)) + 24 * 9
