@@ -1,15 +1,15 @@
-"""Where a sliding-window forward's time goes: FFA against tokamax and cuDNN on one 32k document with
-windows of 256 to 4096 keys (and the varlen bench case), forward only, GPU busy time per call.
+"""Where a sliding-window forward's time goes: FFA against tokamax and cuDNN on one document of 8k or 32k
+tokens with windows of 256 to 4096 keys (and the varlen bench case), forward only, wall clock and GPU busy time
+per call.
 
-A q block of 128 rows walks about window / 128 + 1 key tiles, so the windows change the steps per tile and
-leave the number of tiles alone: a least-squares fit of time = tiles x a + steps x b, per implementation and
-for the wall clock and the GPU busy time, splits what a step costs (b) from what the call and its tiles cost
-beyond their steps (a: the tiles' start and epilogue, the scheduling, the grid's last wave and, for the wall
-clock, whatever the call spends between kernels; with the tiles fixed the fit cannot tell these apart).
-Steps are counted on each implementation's walk (FFA: from the key span's first key, cuda/tools/tile_waste.py;
-tokamax and cuDNN: aligned to 128, as tokamax's is).
+A q block of 128 rows walks about window / 128 + 1 key tiles: the windows change the steps per tile, the
+document lengths the number of tiles. A least-squares fit of time = c + tiles x a + steps x b, per
+implementation and for the wall clock and the GPU busy time, splits what a call costs whatever its size (c:
+its preparation and launches), what a tile costs beyond its steps (a: start, epilogue, scheduling) and what a
+step costs (b). Steps are counted on each implementation's walk (FFA: from the key span's first key,
+cuda/tools/tile_waste.py; tokamax and cuDNN: aligned to 128, as tokamax's is).
 
-    python bench/window_sweep.py [--windows 256 512 1024 2048 4096] [--impls ffa tokamax cudnn]
+    python bench/window_sweep.py [--docs 8192 32768] [--windows 256 512 1024 2048 4096] [--impls ffa tokamax cudnn]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from bench import kernel as kb  # noqa: E402  (stubs xprof for tokamax before ja
 from bench.common import doc_lengths, gpu_seconds_per_call, median_seconds  # noqa: E402
 from magi_jax import masks  # noqa: E402
 
-T, BLOCK = 32768, 128
+BLOCK = 128
 
 
 def window_start(lens: list[int], window: int) -> np.ndarray:
@@ -52,11 +52,13 @@ def ffa_steps(mask) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--docs", type=int, nargs="*", default=[8192, 32768], help="single-document lengths")
     parser.add_argument("--windows", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--impls", nargs="*", default=["ffa", "tokamax", "cudnn"])
     parser.add_argument("--rounds", type=int, default=3)
     a = parser.parse_args()
-    cases = [(f"doc32k_w{w}", [T], w) for w in a.windows] + [("varlen_w1024", doc_lengths(T, seed=T), 1024)]
+    cases = [(f"doc{t // 1024}k_w{w}", [t], w) for t in a.docs for w in a.windows if w < t]
+    cases.append(("varlen_w1024", doc_lengths(32768, seed=32768), 1024))  # bench/kernel.py's varlen_swa1024_32k
     rows = []
     for name, lens, w in cases:
         mask = masks.sliding_window(lens, w)
@@ -79,8 +81,8 @@ def main() -> None:
                 wall[impl].append(median_seconds(f, q, k, v, warmup=1, reps=5, calls=10))
         for impl, (f, diff) in timed.items():
             gpu = gpu_seconds_per_call(f, q, k, v)
-            row = dict(case=name, impl=impl, window=w, tiles=T // BLOCK * kb.H, steps=int(steps[impl]) * kb.H,
-                       area=int(mask.area()), wall_ms=float(np.median(wall[impl])) * 1e3,
+            row = dict(case=name, impl=impl, window=w, tiles=-(-sum(lens) // BLOCK) * kb.H,
+                       steps=int(steps[impl]) * kb.H, area=int(mask.area()), wall_ms=float(np.median(wall[impl])) * 1e3,
                        gpu_ms=None if gpu is None else gpu * 1e3, diff=float(diff))
             row["tflops"] = 4.0 * row["area"] * kb.H * kb.D / (row["wall_ms"] * 1e-3) / 1e12
             rows.append(row)
@@ -90,15 +92,16 @@ def main() -> None:
         print(f"| {r['case']} | {r['impl']} | {r['steps'] / r['tiles']:.2f} | {r['wall_ms']:.3f} | "
               f"{r['gpu_ms'] or float('nan'):.3f} | {r['tflops']:.1f} | {r['diff']:.1e} |")
     sms = getattr(kb.jax.devices()[0], "core_count", None) or 1  # SMs on a GPU
-    print(f"\nfit on the single-document windows, time = tiles x a + steps x b (an SM's time: x {sms}):")
+    print(f"\nfit on the single-document cases, time = c + tiles x a + steps x b (a, b as an SM's time: x {sms}):")
     for key in ("wall_ms", "gpu_ms"):
         for impl in a.impls:
             sel = [r for r in rows if r["impl"] == impl and r["case"].startswith("doc") and r[key]]
-            if len(sel) < 2:
-                continue
-            x = np.array([[r["tiles"], r["steps"]] for r in sel], float)
-            (ta, sb), *_ = np.linalg.lstsq(x, np.array([r[key] * 1e3 for r in sel]), rcond=None)
-            print(f"  {key[:-3]:4s} {impl:8s} a {ta * sms:.2f} us per tile, b {sb * sms:.3f} us per step")
+            if len({r["tiles"] for r in sel}) < 2 or len(sel) < 4:
+                continue  # c and a need two document lengths
+            x = np.array([[1.0, r["tiles"], r["steps"]] for r in sel])
+            (c, ta, sb), *_ = np.linalg.lstsq(x, np.array([r[key] * 1e3 for r in sel]), rcond=None)
+            print(f"  {key[:-3]:4s} {impl:8s} c {c:.1f} us per call, a {ta * sms:.2f} us per tile, "
+                  f"b {sb * sms:.3f} us per step")
     if os.environ.get("OUT"):
         pathlib.Path(os.environ["OUT"], "window_sweep.json").write_text(json.dumps(rows, indent=1))
 

@@ -155,7 +155,8 @@ def test_window_sweep_counts_the_key_tiles_of_each_walk():
     starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)
     assert ks.tolist() == [max(int(s), q - w + 1) for q, s in enumerate(starts)]
     # tokamax's walk: per q block, every 128-key tile from the one holding its least first key to its own.
-    brute = sum(1 for b in range(len(ks) // 128) for j in range(b + 1) if (j + 1) * 128 > ks[b * 128:(b + 1) * 128].min())
+    brute = sum(1 for b in range(len(ks) // 128) for j in range(b + 1)
+                if (j + 1) * 128 > ks[b * 128:(b + 1) * 128].min())
     assert ws.aligned_steps(ks) == brute
     # FFA's walk on one document of 4096, window 1024: q blocks 0-7 in the causal head (b + 1 tiles each),
     # 8-31 in the band, whose 128 rows see 1024 + 127 keys from the span's first: 9 tiles.
