@@ -1,6 +1,6 @@
-"""Where a sliding-window forward's time goes: FFA against tokamax and cuDNN on one document of 8k or 32k
-tokens with windows of 256 to 4096 keys (and the varlen bench case), forward only, wall clock and GPU busy time
-per call.
+"""Where a sliding-window forward's time goes (or forward+backward's): FFA against tokamax and cuDNN on one
+document of 8k or 32k tokens with windows of 256 to 4096 keys (and the varlen bench case), wall clock and GPU
+busy time per call.
 
 A q block of 128 rows walks about window / 128 + 1 key tiles: the windows change the steps per tile, the
 document lengths the number of tiles. A least-squares fit of time = c + tiles x a + steps x b, per
@@ -10,6 +10,10 @@ step costs (b). Steps are counted on each implementation's walk (FFA: from the k
 cuda/tools/tile_waste.py; tokamax and cuDNN: aligned to 128, as tokamax's is).
 
     python bench/window_sweep.py [--docs 8192 32768] [--windows 256 512 1024 2048 4096] [--impls ffa tokamax cudnn]
+    python bench/window_sweep.py --mode fwd+bwd --impls ffa cudnn     # the same fit for forward+backward
+
+With --mode fwd+bwd (jax.grad of sum(out), forward included, as bench/kernel.py) the steps are still the
+forward's: the backward's row steps per k block grow with the window alike on one document.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--impls", nargs="*", default=["ffa", "tokamax", "cudnn"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", choices=["fwd", "fwd+bwd"], default="fwd")
     a = parser.parse_args()
     cases = [(f"doc{t // 1024}k_w{w}", [t], w) for t in a.docs for w in a.windows if w < t]
     cases.append(("varlen_w1024", doc_lengths(32768, seed=32768), 1024))  # bench/kernel.py's varlen_swa1024_32k
@@ -71,8 +76,8 @@ def main() -> None:
         timed = {}
         ref = None
         for impl in a.impls:
-            f = kb.jitted(fns[impl], "fwd")
-            out = f(q, k, v)
+            f = kb.jitted(fns[impl], a.mode)
+            out = f(q, k, v) if a.mode == "fwd" else f(q, k, v)[0]  # the output, or dq
             ref = out if ref is None else ref
             timed[impl] = (f, kb.rel_diff(out, ref))
         wall = {impl: [] for impl in timed}
@@ -84,7 +89,8 @@ def main() -> None:
             row = dict(case=name, impl=impl, window=w, tiles=-(-sum(lens) // BLOCK) * kb.H,
                        steps=int(steps[impl]) * kb.H, area=int(mask.area()), wall_ms=float(np.median(wall[impl])) * 1e3,
                        gpu_ms=None if gpu is None else gpu * 1e3, diff=float(diff))
-            row["tflops"] = 4.0 * row["area"] * kb.H * kb.D / (row["wall_ms"] * 1e-3) / 1e12
+            flops = 4.0 * row["area"] * kb.H * kb.D * (1.0 if a.mode == "fwd" else 3.5)
+            row["tflops"] = flops / (row["wall_ms"] * 1e-3) / 1e12
             rows.append(row)
             print(json.dumps(row), flush=True)
     print("\n| case | impl | steps / tile | wall ms | GPU ms | TFLOP/s (wall) | diff |\n|---|---|---|---|---|---|---|")
