@@ -155,6 +155,38 @@ def test_l2_sections_give_the_same_bits(hq, hkv, monkeypatch):
             np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_chained_launches_give_the_same_bits(deterministic, monkeypatch):
+    # Each call's small kernels and attention kernels are chained launches (programmatic dependent launch,
+    # cuda/launch.h); MAGI_JAX_PDL=0 launches them plainly. Chaining changes when a kernel starts, never what
+    # it reads: the forward is the same bits, and with deterministic=True the gradients too. The default dQ is
+    # summed by reduce-adds in an order that may change between any two calls: it, and what the first call's
+    # backward computes from it, agree to rounding. Two calls in one jitted step, so that a call's first
+    # kernels follow the previous call's.
+    rng = np.random.default_rng(16)
+    mask = masks.varlen_causal([3000, 700, 1400, 1092])
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 8, 2, 128, jnp.bfloat16)
+    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.bfloat16)
+    qr, kr, types = mask.kernel_args()
+
+    def step(q, k, v):
+        def attn(q):
+            return mj.flex_flash_attn(q, k, v, qr, kr, types, deterministic=deterministic)[0]
+        out, vjp = jax.vjp(lambda q, k, v: attn(attn(q).astype(q.dtype)), q, k, v)
+        return (out, *vjp(dout))
+
+    f = jax.jit(step)
+    want = [np.asarray(x) for x in f(q, k, v)]
+    monkeypatch.setenv("MAGI_JAX_PDL", "0")
+    got = [np.asarray(x) for x in f(q, k, v)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), want, got):
+        if name == "out" or deterministic:
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+        else:
+            np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=2e-2, atol=2e-2,
+                                       err_msg=name)
+
+
 # The backward's tile orders (cuda/launch_bwd_sm90.cu): longest first with the default L2 sections, one kv
 # head per section (L2_BYTES=1, the last section wider), one section of all heads (L2_BYTES huge), and the
 # grid's own order (MAGI_JAX_SM90_BWD_ORDER=grid); and the consumer warpgroups starting their walks together
