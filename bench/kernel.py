@@ -52,6 +52,13 @@ sys.path.insert(0, str(ROOT))  # run as a script: make the repository's bench pa
 from bench.common import doc_lengths, gpu_seconds_per_call, median_seconds, positive_int, ratio_text  # noqa: E402
 
 
+def window_start(lens: list[int], window: int) -> np.ndarray:
+    """Each token's first visible key under a causal sliding window inside its document: the document's start
+    or window - 1 keys back (tokamax's k_start for masks.sliding_window(lens, window))."""
+    start = np.repeat(np.cumsum([0] + lens[:-1]), lens)
+    return np.maximum(start, np.arange(sum(lens)) - (window - 1))
+
+
 def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
     """Per document: the first quarter is the question, the rest split into answers of a third each."""
     samples = []
@@ -210,12 +217,11 @@ def make_cases() -> list[Case]:
     start = np.repeat(np.cumsum([0] + docs[:-1]), docs)  # each token's document start
     pos = np.arange(32768)
     block_end = np.minimum(start + ((pos - start) // 2048 + 1) * 2048, np.repeat(np.cumsum(docs), docs))
-    window_start = np.maximum(start, pos - 1023)
     cases.append(Case("varlen_block_causal_32k", masks.block_causal(docs, 2048), {
         "tokamax": lambda: tokamax(k_start=start, k_end=block_end)}))
     cases.append(Case("varlen_swa1024_32k", masks.sliding_window(docs, 1024), {
         "cudnn": lambda: cudnn_varlen(docs, window=1024),
-        "tokamax": lambda: tokamax(k_start=window_start, is_causal=True),
+        "tokamax": lambda: tokamax(k_start=window_start(docs, 1024), is_causal=True),
         "ffa_nn": lambda: ffa_nn(lens=docs, is_causal=True, local_window_size=(1023, 0)),
         "ffa_nn_traced": lambda: ffa_nn(lens=docs, is_causal=True, local_window_size=(1023, 0), traced=True)}))
     shared = masks.shared_question(shared_question_samples(doc_lengths(16384, seed=16384)))

@@ -194,15 +194,15 @@ def _documents(segment_ids, max_segments: int | None, xp):
         for b in range(B):
             first = np.flatnonzero(is_start[b])
             starts[b, :len(first)] = first
-        ends = np.concatenate([starts[:, 1:], np.full((B, 1), T, np.int32)], axis=1)
-        return xp.asarray(starts), xp.asarray(ends), None
-    if max_segments is None:
-        raise ValueError("max_segments: required when segment_ids are traced (under jit): the most documents "
-                         "a sequence may hold")
-    m = int(max_segments)
-    # nonzero (a scan and a scatter: 0.05-0.07 ms on an H200 at 4k-64k tokens; a sort took 0.12), for one
-    # start more than kept: a sequence whose (m + 1)-th start exists overflows.
-    first = jax.vmap(lambda s: jnp.nonzero(s, size=m + 1, fill_value=T)[0])(is_start).astype(jnp.int32)
-    starts = first[:, :m]
-    ends = jnp.concatenate([starts[:, 1:], jnp.full((B, 1), T, jnp.int32)], axis=1)
-    return starts, ends, jnp.any(first[:, m] < T)
+        overflow = None
+    else:
+        if max_segments is None:
+            raise ValueError("max_segments: required when segment_ids are traced (under jit): the most documents "
+                             "a sequence may hold")
+        m = int(max_segments)
+        # nonzero (a scan and a scatter: 0.05-0.07 ms on an H200 at 4k-64k tokens; a sort took 0.12), for one
+        # start more than kept: a sequence whose (m + 1)-th start exists overflows.
+        first = jax.vmap(lambda s: jnp.nonzero(s, size=m + 1, fill_value=T)[0])(is_start).astype(jnp.int32)
+        starts, overflow = first[:, :m], jnp.any(first[:, m] < T)
+    ends = ids.concatenate([starts[:, 1:], ids.full((B, 1), T, ids.int32)], axis=1)
+    return xp.asarray(starts), xp.asarray(ends), overflow

@@ -151,7 +151,7 @@ def test_window_sweep_counts_the_key_tiles_of_each_walk():
     from magi_jax import masks
 
     lens, w = [300, 700, 536], 200
-    ks = ws.window_start(lens, w)
+    ks = ws.kb.window_start(lens, w)
     starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)
     assert ks.tolist() == [max(int(s), q - w + 1) for q, s in enumerate(starts)]
     # tokamax's walk: per q block, every 128-key tile from the one holding its least first key to its own.
