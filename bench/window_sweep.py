@@ -42,7 +42,7 @@ def ffa_steps(mask) -> int:
     """Key tiles the FFA forward walks per head (the host model of cuda/tools/tile_waste.py)."""
     sys.path.insert(0, str(kb.ROOT / "cuda" / "tools"))
     import tile_waste
-    return tile_waste.computed_cells(mask, tile_waste.BLOCK_M, False, False) // (BLOCK * BLOCK)
+    return int(tile_waste.computed_cells(mask, tile_waste.BLOCK_M, False, False)) // (BLOCK * BLOCK)
 
 
 def fit(rows: list[dict], key: str) -> tuple[float, float, float] | None:

@@ -1,12 +1,12 @@
 // The sm90 forward: TMA loads into a shared-memory ring completed on mbarriers, wgmma on two consumer
-// warpgroups, a producer warp (setmaxnreg), a persistent grid taking (q block, head) tiles longest-first.
+// warpgroups, two producer warps (setmaxnreg), a persistent grid taking (q block, head) tiles longest-first.
 //
 // The walk is the mma.sync forward's (flash_fwd_kernel.h): per tile, every slice of the q block's list in
-// ascending id, per slice the key tiles its rows attend, ONE online softmax across all of them. Producer
+// ascending id, per slice the key tiles its rows attend, ONE online softmax across all of them. Producers
 // and consumers walk the same steps (scheduler_sm90.h, FwdStep) and meet on the ring's barriers:
-//   producer warp:  for each tile: Q -> q_full[tile % 2]; for each step j: K(j) -> k_full[j],
-//                   V(j) -> v_full[j]. Q is double-buffered, so the next tile's Q loads during this
-//                   tile's mainloop.
+//   tile warp:      for each tile: its record -> tile_full[tile % 2], its Q -> q_full[tile % 2], one tile
+//                   ahead of the consumers (Q is double-buffered: it loads during the tile before).
+//   K/V warp:       for each tile (its record): for each step j: K(j) -> k_full[j], V(j) -> v_full[j].
 //   consumer wg:    S(j) = Q K(j)^T (SS wgmma) is issued, then O += P(j-1) V(j-1) (RS wgmma, P from
 //                   registers); the softmax of S(j) runs while the PV wgmma of step j-1 is in flight
 //                   (FA3's intra-warpgroup overlap); O is rescaled once that wgmma has landed. A tile's
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     }
     for (int i = 0; i < 2; ++i) {
       MbarInit(&bars.tile_full[i], 1);
-      MbarInit(&bars.tile_empty[i], Tile::kConsumerThreads);
+      MbarInit(&bars.tile_empty[i], Tile::kConsumerThreads + 1);  // and the K/V warp (below)
     }
     bars.tail_first = TailSectionStart(p, int(gridDim.x));
     bars.tiles = VisitedTiles(p);
@@ -201,62 +201,84 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   __syncthreads();
 
   if (wg == 0) {
-    // ------------------------------------------------------------------------------------------ producer
+    // ------------------------------------------------------------------------------------------ producers
+    // Two warps: the tile warp (1) takes the tiles, publishes their records and loads their Q; the K/V warp (0)
+    // follows the records and streams each tile's keys, walking the tile itself. One warp doing both could make
+    // the next tile's record and Q only after this tile's last K/V load (decode: three dependent global loads;
+    // Q from DRAM), and on short walks the consumers waited for them at tile starts; the decode inside the K/V
+    // loop also spilled its 40 registers. Split, each warp holds only what it needs (cuda/NOTES.md, "The tile
+    // warp").
     SetMaxRegsDec<Tile::kProducerRegs>();
-    if (warp != 0) return;
+    if (warp >= 2) return;
+    if (warp == 1) {
+      // -------------------------------------------------------------------------------------------- tile warp
+      if (lane == 0) PrefetchTensorMap(&p.q_map);
+      PipeState<2> slot;
+      PipeState<Tile::kQStages> qs;
+      const int tiles = bars.tiles;
+      while (true) {
+        // Two Q buffers: a tile is taken once its Q buffer is free (its tile two back is done, the one before
+        // has just started), one tile ahead of the consumers: no earlier, which keeps the longest-first greedy
+        // order's tail. One Q buffer (D 256): free only after the epilogue of the tile before, so the tile is
+        // taken and its record made first, and its Q waits.
+        if constexpr (Tile::kQStages == 2) MbarWait(&bars.q_empty[qs.stage], qs.phase ^ 1);
+        // Every tile, the first too, comes from the counter: a CTA that starts late (its SM held by a collective
+        // running beside the call) takes the next tile in line instead of one of the longest.
+        int tile = 0;
+        if (lane == 0) tile = atomicAdd(p.counter, 1);
+        tile = __shfl_sync(0xffffffffu, tile, 0);
+        int qb = 0, h = 0;
+        if (tile < tiles) DecodeTile(p, bars.tail_first, tiles, tile, &qb, &h);
+        const SliceWalk walk(args, fp.lists, qb);  // q block 0 past the last tile: read, not walked
+        FwdStep first;
+        first.cur = -1;
+        if (tile < tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, walk.First(args), &first);
+        if (lane == 0) {
+          MbarWait(&bars.tile_empty[slot.stage], slot.phase ^ 1);
+          const int decoded = tile < tiles ? qb * fp.hq + h : p.num_tiles;
+          bars.tile[slot.stage] = FwdTileRecord::Of(args, walk, decoded, first);
+          MbarArrive(&bars.tile_full[slot.stage]);
+        }
+        slot.Advance();
+        if (tile >= tiles) break;
+        if (lane == 0) {
+          if constexpr (Tile::kQStages == 1) MbarWait(&bars.q_empty[qs.stage], qs.phase ^ 1);
+          if (first.cur < 0) {
+            MbarArrive(&bars.q_full[qs.stage]);  // a tile without keys reads no Q: the phase completes bare
+          } else {
+            MbarArriveExpectTx(&bars.q_full[qs.stage], Tile::kQBytes);
+            unsigned char* sq_stage = sq + qs.stage * Tile::kQBytes;
+#pragma unroll
+            for (int c = 0; c < kChunks; ++c)
+              TmaLoad3d(sq_stage + c * (BM * 128), &p.q_map, &bars.q_full[qs.stage], 64 * c, h, qb * BM);
+          }
+        }
+        qs.Advance();
+      }
+      return;
+    }
+    // --------------------------------------------------------------------------------------------- K/V warp
     if (lane == 0) {
-      PrefetchTensorMap(&p.q_map);
       PrefetchTensorMap(&p.k_map);
       PrefetchTensorMap(&p.v_map);
       PrefetchTensorMap(&p.out_map);
     }
     PipeState<kStages> kv;
     PipeState<2> slot;
-    PipeState<Tile::kQStages> qs;
-    // Every tile, the first too, comes from the counter: a CTA that starts late (its SM held by a collective
-    // running beside the call) takes the next tile in line instead of one of the longest.
-    int tile = 0;
-    if (lane == 0) tile = atomicAdd(p.counter, 1);
-    tile = __shfl_sync(0xffffffffu, tile, 0);
-    const int tiles = bars.tiles;
     while (true) {
-      // Decode the tile and find its first step, then publish both (FwdTileRecord); past the last tile, the
-      // record says num_tiles (the consumers' end).
-      int qb = 0, h = 0;
-      if (tile < tiles) DecodeTile(p, bars.tail_first, tiles, tile, &qb, &h);
-      const SliceWalk walk(args, fp.lists, qb);  // q block 0 past the last tile: read, not walked
-      FwdStep first;
-      first.cur = -1;
-      if (tile < tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, walk.First(args), &first);
-      if (lane == 0) {
-        MbarWait(&bars.tile_empty[slot.stage], slot.phase ^ 1);
-        const int decoded = tile < tiles ? qb * fp.hq + h : p.num_tiles;
-        bars.tile[slot.stage] = FwdTileRecord::Of(args, walk, decoded, first);
-        MbarArrive(&bars.tile_full[slot.stage]);
-      }
+      // The tile's record; its slot is released once read (with the consumers' arrivals: the tile warp
+      // rewrites it only after both have read it).
+      MbarWait(&bars.tile_full[slot.stage], slot.phase);
+      const int tile = bars.tile[slot.stage].tile;
+      FwdStep st = bars.tile[slot.stage].Step();
+      __syncwarp();
+      if (lane == 0) MbarArrive(&bars.tile_empty[slot.stage]);
       slot.Advance();
-      if (tile >= tiles) break;
-      // The next tile, taken now: the atomic's latency passes under this tile's loads.
-      int next = 0;
-      if (lane == 0) next = atomicAdd(p.counter, 1);
-      const int hk = h / (fp.hq / fp.hkv);
+      if (tile >= p.num_tiles) break;
+      const int qb = tile / fp.hq, hk = tile % fp.hq / (fp.hq / fp.hkv);
       const int64_t r0 = int64_t(qb) * BM;
-      // The Q buffer of two tiles ago is free once both warpgroups have issued that tile's last S: this
-      // load runs under the current tile's mainloop (the producer is at most kStages steps ahead of it).
-      if (lane == 0) {
-        MbarWait(&bars.q_empty[qs.stage], qs.phase ^ 1);
-        if (first.cur < 0) {
-          MbarArrive(&bars.q_full[qs.stage]);  // a tile without keys reads no Q: the phase completes bare
-        } else {
-          MbarArriveExpectTx(&bars.q_full[qs.stage], Tile::kQBytes);
-          unsigned char* sq_stage = sq + qs.stage * Tile::kQBytes;
-#pragma unroll
-          for (int c = 0; c < kChunks; ++c)
-            TmaLoad3d(sq_stage + c * (BM * 128), &p.q_map, &bars.q_full[qs.stage], 64 * c, h, int(r0));
-        }
-      }
-      qs.Advance();
-      for (FwdStep st = first; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, &st)) {
+      const SliceWalk walk(args, fp.lists, qb);
+      for (; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, &st)) {
         if (lane == 0) {
           MbarWait(&bars.k_empty[kv.stage], kv.phase ^ 1);
           MbarArriveExpectTx(&bars.k_full[kv.stage], Tile::kKvBytes);
@@ -273,7 +295,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         }
         kv.Advance();
       }
-      tile = __shfl_sync(0xffffffffu, next, 0);
     }
     return;
   }

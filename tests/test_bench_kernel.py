@@ -160,4 +160,6 @@ def test_window_sweep_counts_the_key_tiles_of_each_walk():
     assert ws.aligned_steps(ks) == brute
     # FFA's walk on one document of 4096, window 1024: q blocks 0-7 in the causal head (b + 1 tiles each),
     # 8-31 in the band, whose 128 rows see 1024 + 127 keys from the span's first: 9 tiles.
-    assert ws.ffa_steps(masks.sliding_window([4096], 1024)) == sum(range(1, 9)) + 24 * 9
+    steps = ws.ffa_steps(masks.sliding_window([4096], 1024))
+    assert steps == sum(range(1, 9)) + 24 * 9
+    assert type(steps) is int and type(ws.aligned_steps(ks)) is int  # the rows go to JSON
