@@ -16,7 +16,7 @@
 //                   kSchedBarrier + cw, FA3's scheduler barrier), so one warpgroup's softmax runs while
 //                   the other's GEMMs occupy the tensor cores, and their epilogues are staggered too.
 // Head dim 256 (FwdSm90Tile<256>): key tiles of 80, one Q buffer which also stages the output (released to
-// the producer after the epilogue's store has read it), no intra-warpgroup overlap (registers: O alone is
+// the tile warp after the epilogue's store has read it), no intra-warpgroup overlap (registers: O alone is
 // 128 per thread): S(j) and O += P(j) V(j) are a turn each, the ping-pong hides the softmax.
 // Each consumer warpgroup owns 64 rows; a thread holds rows 16 w + g and 16 w + g + 8 of them (w the warp in
 // the warpgroup), i.e. the mma.sync C layout, so mask.h / softmax.h helpers apply with MT = 1.
