@@ -28,6 +28,9 @@ from bench import kernel as kb  # noqa: E402  (stubs xprof for tokamax before ja
 from bench.common import doc_lengths  # noqa: E402
 from magi_jax import masks  # noqa: E402
 
+sys.path.insert(0, str(kb.ROOT / "cuda" / "tools"))
+import tile_waste  # noqa: E402  (the forward's walk, host model)
+
 BLOCK = 128
 
 
@@ -40,8 +43,6 @@ def aligned_steps(k_start: np.ndarray) -> int:
 
 def ffa_steps(mask) -> int:
     """Key tiles the FFA forward walks per head (the host model of cuda/tools/tile_waste.py)."""
-    sys.path.insert(0, str(kb.ROOT / "cuda" / "tools"))
-    import tile_waste
     return int(tile_waste.computed_cells(mask, tile_waste.BLOCK_M, False, False)) // (BLOCK * BLOCK)
 
 
