@@ -1,8 +1,7 @@
 // The sm90 forward's launcher: tensor maps (built here on the host from device pointers and static shapes:
 // no synchronisation), the longest-first tile order (two small kernels chained to the lists' and to the
-// attention kernel: work here, the sort tile_order.cu),
-// the persistent grid, and the
-// instantiations (bf16, fp16) x (D 64, 128, 256).
+// attention kernel: work here, the sort tile_order.cu), the persistent grid, and the instantiations (bf16,
+// fp16) x (D 64, 128, 256).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
