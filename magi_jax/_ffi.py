@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import pathlib
 
 import jax
+import jax.numpy as jnp
 
 from magi_jax import _ffi_cpu
 
@@ -90,6 +92,28 @@ def call(target: str, results, *args, aliases: dict[int, int] | None = None, **a
     """jax.ffi.ffi_call whose results vary like its arguments inside a shard_map; aliases: input index ->
     output index (the output is written in the input's buffer). Under jax.vmap the calls run one batch
     element after another (the kernels take one packed sequence; packing a batch into one varlen mask is
-    the fast way)."""
-    fn = jax.ffi.ffi_call(target, results, input_output_aliases=aliases, vmap_method="sequential")
-    return match_varying(fn(*args, **attrs), *args)
+    the fast way). Empty arguments (an optional operand left out) are made inside a jitted call of their own:
+    passed in, an eagerly run shard_map hands each to XLA's partitioner as an unused manual-computation
+    operand, which crashes it (jax 0.11.2: a segfault in Shardy's ManualComputationUnusedInputsPattern)."""
+    empties = tuple((i, tuple(x.shape), jnp.dtype(x.dtype)) for i, x in enumerate(args) if x.size == 0)
+    if not empties:
+        fn = jax.ffi.ffi_call(target, results, input_output_aliases=aliases, vmap_method="sequential")
+        return match_varying(fn(*args, **attrs), *args)
+    fn = _call_making_empties(target, tuple(results), tuple(sorted((aliases or {}).items())), empties,
+                              tuple(sorted(attrs.items())))
+    dropped = {i for i, _, _ in empties}
+    return match_varying(fn(*(x for i, x in enumerate(args) if i not in dropped)), *args)
+
+
+@functools.lru_cache(maxsize=256)
+def _call_making_empties(target: str, results: tuple, aliases: tuple, empties: tuple, attrs: tuple):
+    """The jitted FFI call of `call`, given its non-empty arguments (cached: one compilation a signature when
+    run eagerly)."""
+    fn = jax.ffi.ffi_call(target, results, input_output_aliases=dict(aliases) or None, vmap_method="sequential")
+
+    def apply(*given):
+        args = list(given)
+        for i, shape, dtype in empties:
+            args.insert(i, jnp.zeros(shape, dtype))
+        return fn(*args, **dict(attrs))
+    return jax.jit(apply)

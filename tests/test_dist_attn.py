@@ -17,7 +17,7 @@ import magi_jax as mj
 from magi_jax import masks
 from magi_jax.planner import make_plan
 from magi_jax.reference import attention_f64
-from tests.conftest import assert_within_rule, random_qkv
+from tests.conftest import assert_within_rule, check_against_reference, random_qkv
 from tests.test_dist_helpers import (DOCS, check_dist, collective_dependencies, count_ops, families, global_fn,
                                      mesh_of, random_mask, remat_grads)
 
@@ -180,6 +180,29 @@ def test_calc_attn_local_inside_user_shard_map():
     g_ours = jax.jit(jax.grad(lambda *a: ours(*a).sum(), argnums=(0, 1, 2)))(q, k, v)
     for a, b in zip(g_user, g_ours):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_eager_calls_without_jit(cp):
+    """calc_attn, and calc_attn_local in a user's shard_map, run eagerly (no jax.jit): forward and gradients.
+    (An FFI call's empty optional operands once crashed XLA's partitioner when shard_map ran op by op.)"""
+    mesh = mesh_of(cp)
+    mask = masks.varlen_causal(DOCS)
+    mp = mj.plan(mask, mesh, chunk_size=16, overlap=1, num_heads_q=2, head_dim=64)
+    rng = np.random.default_rng(10)
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, 64)
+
+    def eager(q, k, v):
+        qd, kd, vd = (mj.dispatch(x, mp) for x in (q, k, v))
+        out, lse = mj.calc_attn(qd, kd, vd, mp)
+        return mj.undispatch(out, mp), mj.undispatch(lse, mp)
+
+    check_against_reference(eager, mask, q, k, v, rng)
+    user = jax.shard_map(lambda q, k, v: mj.calc_attn_local(q, k, v, mp), mesh=mesh, in_specs=(P("cp"),) * 3,
+                         out_specs=(P("cp"), P("cp")))
+    qd, kd, vd = (mj.dispatch(x, mp) for x in (q, k, v))
+    for a, b in zip(user(qd, kd, vd), jax.jit(user)(qd, kd, vd)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_jitted_training_step():
