@@ -194,24 +194,30 @@ def _pad_take(x, take, padded_len: int, seq_dim: int):
 
 # dispatch: x padded to padded_len, then taken at `take` (position_ids); undispatch: taken at `back`
 # (undispatch_perm). The permutations' gradients are each other (a gather, not the scatter-add autodiff would
-# make); the index arrays are arguments (static plans: constants; PlanTables: traced) with no gradient. With
-# Explicit mesh axes, whose cotangents must carry the primal's sharding type, autodiff's transpose is used.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _dispatch(x, take, back, padded_len, seq_dim):
+# make: with Explicit mesh axes that scatter's output sharding is ambiguous once a batch dim is sharded, and
+# jax refuses it); the index arrays are arguments (static plans: constants; PlanTables: traced) with no
+# gradient. `like`: the primal's sharding where its mesh axes are Explicit (its cotangent must carry it), else
+# None.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dispatch(x, take, back, padded_len, seq_dim, like):
     return _pad_take(x, take, padded_len, seq_dim)
 
 
-_dispatch.defvjp(lambda x, take, back, n, d: (_pad_take(x, take, n, d), (take, back)),
-                 lambda n, d, res, g: (_take(g, res[1], d), None, None))
+_dispatch.defvjp(lambda x, take, back, n, d, like: (_pad_take(x, take, n, d), (take, back)),
+                 lambda n, d, like, res, g: (_like(_take(g, res[1], d), like), None, None))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _undispatch(x, take, back, padded_len, seq_dim):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _undispatch(x, take, back, padded_len, seq_dim, like):
     return _take(x, back, seq_dim)
 
 
-_undispatch.defvjp(lambda x, take, back, n, d: (_take(x, back, d), (take, back)),
-                   lambda n, d, res, g: (_pad_take(g, res[0], n, d), None, None))
+_undispatch.defvjp(lambda x, take, back, n, d, like: (_take(x, back, d), (take, back)),
+                   lambda n, d, like, res, g: (_like(_pad_take(g, res[0], n, d), like), None, None))
+
+
+def _like(x, sharding):
+    return x if sharding is None else jax.sharding.reshard(x, sharding)
 
 
 def _check_seq(name: str, x, seq_dim: int, expect: int, what: str) -> int:
@@ -253,10 +259,7 @@ def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *, seq_di
     take, back = p.position_ids(), p.undispatch_perm
     if _batched(p, x, seq_dim):
         return _constrain(_take_each(_pad_tokens(x, p.padded_seqlen, 1), take), mesh, p, seq_dim, batch_axes)
-    if _explicit_sharding(x) is not None:
-        y = _pad_take(x, take, p.padded_seqlen, seq_dim)
-    else:
-        y = _dispatch(x, take, back, p.padded_seqlen, seq_dim)
+    y = _dispatch(x, take, back, p.padded_seqlen, seq_dim, _explicit_sharding(x))
     return _constrain(y, mesh, p, seq_dim, batch_axes)
 
 
@@ -290,9 +293,7 @@ def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *, seq_
     seq_dim = _check_seq("x", x, seq_dim, p.padded_seqlen, "the plan's padded_seqlen")
     if _batched(p, x, seq_dim):
         return _take_each(x, p.undispatch_perm)
-    if _explicit_sharding(x) is not None:
-        return _take(x, p.undispatch_perm, seq_dim)
-    return _undispatch(x, p.position_ids(), p.undispatch_perm, p.padded_seqlen, seq_dim)
+    return _undispatch(x, p.position_ids(), p.undispatch_perm, p.padded_seqlen, seq_dim, _explicit_sharding(x))
 
 
 def position_ids(plan: MeshPlan | DistAttnPlan | PlanTables, *, mesh: Mesh | None = None) -> jax.Array:
@@ -488,11 +489,9 @@ def _config(p: DistAttnPlan | PlanTables, head_dim: int, softmax_scale, softcap,
         raise ValueError("transport: PlanTables move keys with all_to_all; got 'ppermute'")
     if backward not in BACKWARDS:
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
-    if not softcap >= 0.0:
-        raise ValueError(f"softcap: must be >= 0, got {softcap}")
-    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    scale, cap = ffa.check_scale_and_softcap(softmax_scale, softcap, head_dim)
     wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
-    return _Config(p.axis, p.overlap_degree == 0, float(scale), float(softcap), bool(deterministic), wire,
+    return _Config(p.axis, p.overlap_degree == 0, scale, cap, ffa.check_deterministic(deterministic), wire,
                    backward, ffa.check_sm_margin(sm_margin))
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from magi_jax import _ffi
-from magi_jax.mask import AttnMask
+from magi_jax.mask import AttnMask, as_type_codes
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -27,7 +27,10 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     """Attention of packed q [Tq, Hq, D] over k, v [Tk, Hkv, D] restricted to a flexible mask.
 
     The mask is either `mask=` (an AttnMask) or the three arrays q_ranges [N, 2], k_ranges [N, 2] and
-    attn_type_map [N] (int32; numpy or traced: a new mask with the same N does not recompile).
+    attn_type_map [N] (int32; numpy or traced: a new mask with the same N does not recompile). Concrete
+    ranges are validated (named errors); traced ones cannot be: the kernels clamp them to the sequences, so
+    no value reads or writes out of bounds, but invalid ones (reversed, type codes outside 0..3) give
+    unspecified results. softmax_scale and softcap are Python or NumPy numbers, finite.
     Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (natural log; -inf on rows with no key).
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
     bitwise reproducible. Under jax.vmap the calls run one batch element after another (packing the batch
@@ -54,12 +57,36 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
         raise ValueError("q_ranges, k_ranges and attn_type_map are all required when mask= is not given")
     check_qkv(q, k, v)
     q_ranges, k_ranges, attn_type_map = check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0])
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    if not softcap >= 0.0:
-        raise ValueError(f"softcap: must be >= 0, got {softcap}")
-    return _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, float(softmax_scale), float(softcap),
-                bool(deterministic), check_sm_margin(sm_margin))
+    scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
+    return _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, cap, check_deterministic(deterministic),
+                check_sm_margin(sm_margin))
+
+
+def check_scale_and_softcap(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
+    """(softmax_scale, softcap) as floats: finite, softcap >= 0 (0: none), the scale head_dim ** -0.5 when None.
+    Both are compiled into the kernel call, so they must be concrete."""
+    scale = head_dim ** -0.5 if softmax_scale is None else _concrete_float("softmax_scale", softmax_scale)
+    cap = _concrete_float("softcap", softcap)
+    if cap < 0.0:
+        raise ValueError(f"softcap: must be >= 0 (0 disables it), got {cap}")
+    return scale, cap
+
+
+def _concrete_float(name: str, x) -> float:
+    if isinstance(x, jax.core.Tracer):
+        raise ValueError(f"{name}: must be a Python or NumPy number (it is fixed at trace time), got a traced value")
+    if np.ndim(x) != 0 or not np.issubdtype(np.asarray(x).dtype, np.number):
+        raise ValueError(f"{name}: expected a number, got {x!r}")
+    value = float(x)
+    if not np.isfinite(value):
+        raise ValueError(f"{name}: must be finite, got {value}")
+    return value
+
+
+def check_deterministic(deterministic) -> bool:
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise ValueError(f"deterministic: expected True or False, got {deterministic!r}")
+    return bool(deterministic)
 
 
 def check_sm_margin(sm_margin) -> int:
@@ -93,8 +120,10 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
     arrays = []
     for name, x, shape in (("q_ranges", q_ranges, (None, 2)), ("k_ranges", k_ranges, (None, 2)),
                            ("attn_type_map", attn_type_map, (None,))):
-        if isinstance(x, (list, tuple)):
-            x = np.asarray(x, np.int32)
+        if isinstance(x, (list, tuple)) and len(shape) == 1:
+            x = as_type_codes(x, name)   # names too, as AttnMask takes them
+        elif isinstance(x, (list, tuple)):
+            x = np.asarray(x) if len(x) else np.zeros((0, 2), np.int32)   # [] has no shape of its own
         if len(np.shape(x)) != len(shape) or (len(shape) == 2 and np.shape(x)[1] != 2):
             raise ValueError(f"{name}: expected shape {'[N, 2]' if len(shape) == 2 else '[N]'}, "
                              f"got {np.shape(x)}")

@@ -26,30 +26,39 @@ class AttnMaskType(enum.IntEnum):
     BI_CAUSAL = 3
 
 
-def _as_type_code(t: object) -> int:
+def _as_type_code(t: object, name: str) -> int:
     if isinstance(t, str):
         try:
             return int(AttnMaskType[t.upper()])
         except KeyError:
-            raise ValueError(f"types: unknown mask type {t!r}; expected one of "
+            raise ValueError(f"{name}: unknown mask type {t!r}; expected one of "
                              f"{[m.name.lower() for m in AttnMaskType]}") from None
-    code = int(t)  # type: ignore[arg-type]
+    if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+        raise ValueError(f"{name}: expected mask type names or integer codes, got {t!r}")
+    code = int(t)
     if code not in AttnMaskType._value2member_map_:
-        raise ValueError(f"types: unknown mask type code {code}; expected 0 (FULL), 1 (CAUSAL), "
+        raise ValueError(f"{name}: unknown mask type code {code}; expected 0 (FULL), 1 (CAUSAL), "
                          "2 (INV_CAUSAL) or 3 (BI_CAUSAL)")
     return code
 
 
-def _as_type_codes(types: object) -> np.ndarray:
-    """Type codes as int64; integer arrays are checked in one vectorised pass (masks may have 1e5 slices)."""
-    arr = np.asarray(types)
+def as_type_codes(types: object, name: str = "types") -> np.ndarray:
+    """Type codes (names or integers, one per slice) as int64; integer arrays are checked in one vectorised
+    pass (masks may have 1e5 slices). Errors name the argument `name`."""
+    try:
+        arr = np.asarray(types)
+    except ValueError:   # ragged
+        arr = np.asarray(types, dtype=object)
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence of mask type names or codes, got "
+                         f"{type(types).__name__} of shape {arr.shape}")
     if arr.dtype.kind in "iu":
-        codes = arr.astype(np.int64).reshape(-1)
+        codes = arr.astype(np.int64)
         bad = np.nonzero((codes < AttnMaskType.FULL) | (codes > AttnMaskType.BI_CAUSAL))[0]
         if bad.size:
-            _as_type_code(int(codes[bad[0]]))  # raises the named error
+            _as_type_code(int(codes[bad[0]]), name)  # raises the named error
         return codes
-    return np.array([_as_type_code(x) for x in np.asarray(types, dtype=object).reshape(-1)], dtype=np.int64)
+    return np.array([_as_type_code(x, name) for x in np.asarray(types, dtype=object)], dtype=np.int64)
 
 
 def _as_ranges(name: str, ranges: object, total: int) -> np.ndarray:
@@ -104,7 +113,7 @@ class AttnMask:
                 raise ValueError(f"{name}: expected a non-negative integer, got {v!r}")
         q = _as_ranges("q_ranges", q_ranges, int(total_seqlen_q))
         k = _as_ranges("k_ranges", k_ranges, int(total_seqlen_k))
-        t = _as_type_codes(types)
+        t = as_type_codes(types)
         if not (len(q) == len(k) == len(t)):
             raise ValueError(f"q_ranges, k_ranges and types must have the same length, got "
                              f"{len(q)}, {len(k)} and {len(t)}")

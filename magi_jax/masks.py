@@ -32,6 +32,8 @@ def _build(slices: Slices, total_q: int, total_k: int | None = None) -> AttnMask
 
 def _documents(lengths: Iterable[int], name: str = "lengths") -> list[tuple[int, int]]:
     """[(start, end)] of each document; lengths must be positive integers."""
+    if not isinstance(lengths, Iterable) or isinstance(lengths, str):
+        raise ValueError(f"{name}: expected a sequence of document lengths, got {lengths!r}")
     docs, start = [], 0
     for i, n in enumerate(lengths):
         if int(n) != n or n <= 0:

@@ -360,6 +360,29 @@ def test_explicit_mesh_from_make_mesh():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_explicit_mesh_batch_over_dp_gradients():
+    """jax.make_mesh's Explicit (dp, cp) axes with a batch [B, T, H, D] split over dp: the gradients through
+    dispatch, calc_attn and undispatch (the permutations' transposes once failed on the batch's sharding)."""
+    mesh = jax.make_mesh((2, 2), ("dp", "cp"), devices=jax.devices("cpu")[:4])
+    mask = masks.varlen_causal([100, 60, 96])
+    mp = mj.plan(mask, mesh, chunk_size=16, overlap=1, num_heads_q=2, head_dim=64)
+    rng = np.random.default_rng(11)
+    q, k, v = (jnp.stack(x) for x in zip(*(random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, 64)
+                                          for _ in range(2))))
+    w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+    def dist(q, k, v):
+        qd, kd, vd = (mj.dispatch(x, mp, seq_dim=1) for x in (q, k, v))
+        return mj.undispatch(mj.calc_attn(qd, kd, vd, mp)[0], mp, seq_dim=1)
+
+    local = jax.vmap(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0])
+    got = jax.jit(jax.value_and_grad(lambda *a: (dist(*a) * w).sum(), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.value_and_grad(lambda *a: (local(*a) * w).sum(), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_heads_over_a_tensor_parallel_axis():
     """head_axes="tp" on a (tp 2, cp 4) mesh: each device holds half the heads; no all-gather appears."""
     mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("tp", "cp"))

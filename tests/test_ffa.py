@@ -197,6 +197,8 @@ def test_bad_tensors_name_the_argument(make, match):
     (dict(OK_RANGES, attn_type_map=np.array([1, 1])), r"different lengths"),
     (dict(OK_RANGES, q_ranges=np.array([0, 16])), r"^q_ranges: expected shape \[N, 2\]"),
     (dict(OK_RANGES, k_ranges=np.array([[0.0, 16.0]])), r"^k_ranges: expected an integer"),
+    (dict(OK_RANGES, attn_type_map=["diagonal"]), r"^attn_type_map: unknown mask type 'diagonal'"),
+    (dict(OK_RANGES, attn_type_map=[1.0]), r"^attn_type_map: expected mask type names or integer codes"),
     (dict(q_ranges=None, k_ranges=None, attn_type_map=None), r"all required"),
 ])
 def test_bad_ranges_name_the_argument(ranges, match):
@@ -225,6 +227,39 @@ def test_bad_mask_argument():
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="^sm_margin: expected an int >= 0"):
             mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), sm_margin=bad)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(softmax_scale=float("nan")), "^softmax_scale: must be finite"),
+    (dict(softmax_scale=np.inf), "^softmax_scale: must be finite"),
+    (dict(softmax_scale="0.1"), "^softmax_scale: expected a number"),
+    (dict(softcap=np.inf), "^softcap: must be finite"),
+    (dict(softcap="1"), "^softcap: expected a number"),
+    (dict(softcap=[1.0]), "^softcap: expected a number"),
+    (dict(deterministic="no"), "^deterministic: expected True or False"),
+])
+def test_bad_scalars_name_the_argument(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), **kwargs)
+
+
+def test_traced_scale_and_softcap_name_the_argument():
+    # Both are fixed in the kernel call: a traced value cannot be, and says so.
+    for name in ("softmax_scale", "softcap"):
+        fn = jax.jit(lambda x: mj.flex_flash_attn(*_qkv(), mask=masks.causal(16), **{name: x})[0])
+        with pytest.raises(ValueError, match=f"^{name}: must be a Python or NumPy number"):
+            fn(0.5)
+
+
+def test_ranges_as_python_lists_and_type_names():
+    # The same forms AttnMask takes: lists, type names, and no slices at all (every row empty).
+    q, k, v = _qkv()
+    want = mj.flex_flash_attn(q, k, v, mask=masks.causal(16))
+    got = mj.flex_flash_attn(q, k, v, [[0, 16]], [[0, 16]], ["causal"])
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    out, lse = mj.flex_flash_attn(q, k, v, [], [], [])
+    assert not np.asarray(out).any() and np.isneginf(np.asarray(lse)).all()
 
 
 def test_sm_margin_does_not_change_the_result():

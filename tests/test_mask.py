@@ -58,6 +58,10 @@ def test_types_accept_names_and_enum():
     (dict(q_ranges=[[0, 2], [0, 1]], k_ranges=[[0, 2]], types=[0]), r"same length"),
     (dict(q_ranges=[[0, 1, 2]], k_ranges=[[0, 2]], types=[0]), r"q_ranges.*shape"),
     (dict(q_ranges=[[0.0, 1.0]], k_ranges=[[0, 2]], types=[0]), r"q_ranges.*integers"),
+    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=None), r"^types: expected a 1-D sequence"),
+    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=[1.5]), r"^types: expected mask type names or integer"),
+    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=[True]), r"^types: expected mask type names or integer"),
+    (dict(q_ranges=[[0, 2]], k_ranges=[[0, 2]], types=[[1]]), r"^types: expected a 1-D sequence"),
 ])
 def test_bad_input_names_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):

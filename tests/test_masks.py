@@ -128,6 +128,7 @@ def test_causal_blockwise():
 @pytest.mark.parametrize("call, match", [
     (lambda: masks.varlen_causal([3, 0]), r"lengths\[1\]"),
     (lambda: masks.varlen_causal([]), "lengths"),
+    (lambda: masks.varlen_causal(5), "^lengths: expected a sequence"),
     (lambda: masks.sliding_window([4], 0), "window"),
     (lambda: masks.block_causal([4], -2), "block"),
     (lambda: masks.prefix_lm([4, 2], [1]), "prefix_lengths"),
