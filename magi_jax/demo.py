@@ -63,10 +63,16 @@ def run_mask(name: str, mask: mj.AttnMask, heads: int, head_dim: int, dtype, see
     return ok
 
 
+# The smallest --seqlen whose every document and answer below (the shortest is seqlen // 16) is non-empty.
+MIN_SEQLEN = 16
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m magi_jax demo")
-    parser.add_argument("--seqlen", type=int, default=2048)
+    parser.add_argument("--seqlen", type=int, default=2048, help=f"tokens per mask, at least {MIN_SEQLEN}")
     args = parser.parse_args(argv)
+    if args.seqlen < MIN_SEQLEN:
+        parser.error(f"argument --seqlen: the demo needs at least {MIN_SEQLEN} tokens, got {args.seqlen}")
     on_gpu = jax.devices()[0].platform == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     t = args.seqlen

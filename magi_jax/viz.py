@@ -7,6 +7,8 @@ import numpy as np
 from magi_jax.mask import AttnMask
 
 _MAX_PIXELS = 1024  # larger masks are drawn by coverage fraction per pixel block
+_FIG_INCHES = 6.0   # the longer side of the figure (720 pixels at the 120 dpi written)
+_MAX_ASPECT = 2.0   # the shorter side is at least _FIG_INCHES / _MAX_ASPECT, room for the labels
 
 
 def mask_image(mask: AttnMask, pixels: int = _MAX_PIXELS) -> np.ndarray:
@@ -29,16 +31,25 @@ def mask_image(mask: AttnMask, pixels: int = _MAX_PIXELS) -> np.ndarray:
 
 
 def plot_mask(mask: AttnMask, path: str, title: str | None = None) -> None:
+    """Write a PNG of ``mask`` with its slices outlined; a mask with no tokens gives an empty frame."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
+    tq, tk = mask.total_seqlen_q, mask.total_seqlen_k
+    # The frame keeps the mask's shape up to _MAX_ASPECT; beyond it the cells are stretched, so a
+    # 5000 x 3 mask neither writes a huge PNG nor collapses to a zero-pixel one.
+    aspect = min(max(max(tq, 1) / max(tk, 1), 1 / _MAX_ASPECT), _MAX_ASPECT)   # height / width
+    fig, ax = plt.subplots(figsize=(_FIG_INCHES, _FIG_INCHES * aspect) if aspect <= 1
+                           else (_FIG_INCHES / aspect, _FIG_INCHES))
+    ax.set_box_aspect(aspect)
     image = mask_image(mask)
-    sy, sx = mask.total_seqlen_q / image.shape[0], mask.total_seqlen_k / image.shape[1]
-    fig, ax = plt.subplots(figsize=(6, 6 * mask.total_seqlen_q / max(1, mask.total_seqlen_k)))
-    ax.imshow(image, cmap="Blues", interpolation="nearest", vmin=0, vmax=max(1.0, float(image.max())),
-              extent=(0, mask.total_seqlen_k, mask.total_seqlen_q, 0))
+    if image.size:
+        ax.imshow(image, cmap="Blues", interpolation="nearest", vmin=0, vmax=max(1.0, float(image.max())),
+                  extent=(0, tk, tq, 0), aspect="auto")
+    else:
+        ax.set(xticks=[], yticks=[])   # no tokens: an empty frame, not a 0..1 axis
     for (qs, qe), (ks, ke) in zip(mask.q_ranges, mask.k_ranges):
         ax.add_patch(Rectangle((ks, qs), ke - ks, qe - qs, fill=False, edgecolor="tab:red", linewidth=0.6))
     ax.set_xlabel("key")

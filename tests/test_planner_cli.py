@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from magi_jax.demo import main as demo_main
 from magi_jax.planner.cli import parse_tokens, plan_main, simulate_main
 from magi_jax.planner.workloads import sample_doc_lengths
 
@@ -51,3 +52,26 @@ def test_simulate_small(tmp_path, capsys):
 def test_plan_mask_families(mask, capsys):
     assert plan_main(["--mask", mask, "--seqlen", "16k", "--cp", "4", "--window", "512", "--block", "1k"]) == 0
     assert "total area" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("main, argv, option", [
+    (plan_main, ["--mask", "global_sliding_window", "--num-global", "-1"], "--num-global"),
+    (plan_main, ["--plot", "/nonexistent/dir/x.png"], "--plot"),
+    (plan_main, ["--cp", "2", "--plot-rank", "5"], "--plot-rank"),
+    (plan_main, ["--seed", "-1"], "--seed"),
+    (plan_main, ["--cp", "0"], "--cp"),
+    (simulate_main, ["--cp", "0"], "--cp"),
+    (simulate_main, ["--cp", "-4"], "--cp"),
+    (simulate_main, ["--cp", "4,x"], "--cp"),
+    (simulate_main, ["--seeds", "0"], "--seeds"),
+    (simulate_main, ["--heads-q", "0"], "--heads-q"),
+    (demo_main, ["--seqlen", "0"], "--seqlen"),
+    (demo_main, ["--seqlen", "7"], "--seqlen"),
+])
+def test_bad_arguments_are_usage_errors(main, argv, option, capsys):
+    """Rejected while parsing (before any planning or kernel run): exit 2, one line naming the option."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {option}:" in last

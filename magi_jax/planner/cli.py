@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import pathlib
 import time
 from typing import Sequence
 
@@ -29,6 +30,37 @@ def parse_tokens(text: str) -> int:
     if value < 1 or value != int(value):
         raise argparse.ArgumentTypeError(f"not a positive whole token count: {text!r}")
     return int(value)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1, "positive")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0, "non-negative")
+
+
+def _int_at_least(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
+    return value
+
+
+def rank_counts(text: str) -> list[int]:
+    """argparse type: comma-separated positive rank counts, '8,16,32'."""
+    try:
+        counts = [positive_int(x) for x in text.split(",") if x.strip()]
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} in {text!r}") from None
+    if not counts:
+        raise argparse.ArgumentTypeError(f"no rank counts in {text!r}")
+    return counts
 
 
 MASKS = ("full", "causal", "varlen_full", "varlen_causal", "sliding_window", "sliding_window_bidirectional",
@@ -87,9 +119,9 @@ def _overlap(text: str) -> int | str:
 
 
 def _common(p: argparse.ArgumentParser, mask_class_default: str) -> None:
-    p.add_argument("--heads-q", type=int, default=16)
-    p.add_argument("--heads-kv", type=int, default=None)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--heads-q", type=positive_int, default=16)
+    p.add_argument("--heads-kv", type=positive_int, default=None)
+    p.add_argument("--head-dim", type=positive_int, default=128)
     p.add_argument("--overlap", type=_overlap, default="auto", help="stages: auto or 0..8")
     p.add_argument("--calibration", default=None, help="cost model rates from a calibration file "
                    f"(bench/calibrate.py) or a stored one by name {stored_calibrations()} "
@@ -121,17 +153,22 @@ def plan_main(argv: Sequence[str]) -> int:
     p.add_argument("--mask", default="varlen_causal", choices=MASKS)
     p.add_argument("--window", type=parse_tokens, default=1024, help="sliding-window masks")
     p.add_argument("--block", type=parse_tokens, default=2048, help="block_causal")
-    p.add_argument("--num-global", type=int, default=64, help="global_sliding_window")
+    p.add_argument("--num-global", type=non_negative_int, default=64, help="global_sliding_window")
     p.add_argument("--seqlen", type=parse_tokens, default=parse_tokens("64k"))
-    p.add_argument("--cp", type=int, default=8)
+    p.add_argument("--cp", type=positive_int, default=8)
     p.add_argument("--chunk", type=int, default=None)
     p.add_argument("--solver", choices=sorted(SOLVERS), default=DEFAULT_SOLVER)
-    p.add_argument("--seed", type=int, default=0, help="seed of the document lengths")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the document lengths")
     p.add_argument("--plot", default=None, help="write a PNG: chunks coloured by owner, one rank's remote blocks")
-    p.add_argument("--plot-rank", type=int, default=None, help="rank whose blocks the plot shows "
+    p.add_argument("--plot-rank", type=non_negative_int, default=None, help="rank whose blocks the plot shows "
                    "(default: the one fetching most)")
     _common(p, "the --mask name; varlen_block_causal for block_causal")
     a = p.parse_args(list(argv))
+    # Checked before planning, which can take seconds, rather than failing after it.
+    if a.plot and not pathlib.Path(a.plot).parent.is_dir():
+        p.error(f"argument --plot: no directory {str(pathlib.Path(a.plot).parent)!r} to write into")
+    if a.plot_rank is not None and a.plot_rank >= a.cp:
+        p.error(f"argument --plot-rank: rank {a.plot_rank} out of range for --cp {a.cp}")
     mask = build_mask(a.mask, a.seqlen, a.seed, a.window, a.block, a.num_global)
     try:
         model = cost_model(a, MASK_CLASS.get(a.mask, a.mask))
@@ -249,14 +286,13 @@ def simulate_one(cp: int, seed: int, per_gpu: int, solver: str, **kw) -> dict:
 def simulate_main(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m magi_jax simulate",
                                 description="Predicted balance, traffic and throughput of the solvers at scale.")
-    p.add_argument("--cp", default="8,16,32,64,128,256,512,1024", help="comma-separated rank counts")
+    p.add_argument("--cp", type=rank_counts, default="8,16,32,64,128,256,512,1024", help="comma-separated rank counts")
     p.add_argument("--per-gpu", type=parse_tokens, default=8192, help="tokens per rank")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=positive_int, default=3)
     p.add_argument("--solvers", default=",".join(SIM_SOLVERS))
     p.add_argument("--markdown", default=None, help="append the table as a dated section to this file")
     _common(p, "varlen_causal, the simulated workload")
     a = p.parse_args(list(argv))
-    cps = [int(x) for x in a.cp.split(",") if x]
     solvers = [x for x in a.solvers.split(",") if x]
     for s in solvers:
         if s not in SIM_SOLVERS and s not in SOLVERS:
@@ -274,7 +310,7 @@ def simulate_main(argv: Sequence[str]) -> int:
             + (" | comm_aware / minheap max remote |" if ratio else " |") + " comm_aware plan s |")
     lines = [head, "|" + "---|" * (len(solvers) + 3 + ratio)]
     print(head, flush=True)
-    for cp in cps:
+    for cp in a.cp:
         cells, plan_s, res = [], 0.0, {}
         for s in solvers:
             res[s] = [simulate_one(cp, seed, a.per_gpu, s, **kw) for seed in range(a.seeds)]
