@@ -35,8 +35,6 @@ def _random_plan_covers(mask, data, max_cp):
     cp = data.draw(st.integers(1, min(max_cp, T)))
     chunk = data.draw(st.integers(1, max(1, T // cp)))
     solver = data.draw(st.sampled_from(SOLVER_NAMES))
-    if solver == "zigzag" and (-(-T // (chunk * cp))) % 2:
-        solver = "minheap"
     overlap = data.draw(st.sampled_from(["auto", 0, 1, 2, 3]))
     plan = make_plan(mask, cp=cp, chunk_size=chunk, solver=solver, overlap=overlap)
     check_coverage(plan)
@@ -69,6 +67,45 @@ def test_padding_and_permutation():
         assert list(p) == sorted(p) and len(p) == plan.chunks_per_rank
         assert np.array_equal(pos[r * 8:(r + 1) * 8], (np.array(p)[:, None] * 4 + np.arange(4)).ravel())
     check_coverage(plan)
+
+
+@pytest.mark.parametrize("T, cp", [(1, 1), (17, 2), (17, 4), (17, 8), (257, 2), (257, 4), (257, 8), (1000, 2),
+                                   (1000, 4), (1000, 8)])   # (a length below cp can't be planned by any solver)
+def test_zigzag_pads_to_an_even_chunk_count_per_rank(T, cp):
+    mask = varlen_causal([T - T // 3, T // 3] if T > 2 else [T])
+    for chunk_size in (None, 2):
+        plan = make_plan(mask, cp=cp, chunk_size=chunk_size, solver="zigzag")
+        assert plan.padded_seqlen % (2 * plan.chunk_size * cp) == 0 and plan.chunks_per_rank % 2 == 0
+        assert plan.padded_seqlen - T < 2 * plan.chunk_size * cp
+        perm = plan.dispatch_perm
+        assert sorted(perm[perm >= 0].tolist()) == list(range(T))          # every real token exactly once
+        assert np.array_equal(perm[plan.undispatch_perm], np.arange(T))
+        check_coverage(plan)
+
+
+def test_zigzag_distributed_attention_on_an_awkward_length():
+    """257 tokens at cp=4, chunk 16: 17 chunks would pad to 5 per rank; zigzag's plan pads to 6 (384 tokens).
+    Forward and gradients through dispatch, calc_attn, undispatch equal single-device flex_flash_attn."""
+    import jax
+    import jax.numpy as jnp
+    import magi_jax as mj
+    from tests.test_dist_helpers import global_fn, mesh_of
+    mask = varlen_causal([100, 57, 100])
+    mp = mj.plan(mask, mesh_of(4), solver="zigzag", chunk_size=16, num_heads_q=2, head_dim=64)
+    assert mp.plan.padded_seqlen == 384
+
+    def loss_and_outputs(attn):
+        def f(q, k, v):
+            out, lse = attn(q, k, v)
+            return jnp.sum(jnp.sin(out)) + jnp.sum(lse), (out, lse)
+        return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((257, 2, 64)), jnp.float32) for _ in range(3))
+    (_, want), dwant = loss_and_outputs(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask))(q, k, v)
+    (_, got), dgot = loss_and_outputs(global_fn(mp))(q, k, v)
+    for name, g, w in zip(["out", "lse", "dq", "dk", "dv"], (*got, *dgot), (*want, *dwant)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5, err_msg=name)
 
 
 def test_padding_rows_get_no_slices():

@@ -13,7 +13,7 @@ from magi_jax.mask import AttnMask, slice_areas
 from magi_jax.planner.chunks import chunk_table
 from magi_jax.planner.slices import (RankSlices, Segments, chunk_runs, cut, needed_keys, pad_slices,
                                      rank_slices)
-from magi_jax.planner.solvers import DEFAULT_SOLVER, SOLVERS
+from magi_jax.planner.solvers import CHUNKS_PER_RANK_MULTIPLE, DEFAULT_SOLVER, SOLVERS
 from magi_jax.planner.stages import (MAX_DEGREE, CostModel, StageTiming, assign_stages, stage_timing)
 from magi_jax.planner.transfers import StageTransfers, build_transfers
 
@@ -135,12 +135,13 @@ class DistAttnPlan:
     """A static plan for attention over ``cp`` ranks of one mesh axis. Hashable; equal plans compare equal.
 
     Tokens. The sequence (``seqlen`` tokens) is padded to ``padded_seqlen = num_chunks * chunk_size``, a
-    multiple of ``chunk_size * cp``; padding tokens attend nothing and are dropped by undispatch. Rank r owns
-    the chunks ``partitions[r]`` (ascending, ``chunks_per_rank`` of them) and holds them in that order in its
-    local buffer of ``local_len`` tokens. The dispatched (global) array is the ranks' local buffers one after
-    another: ``dispatch_perm[d]`` is the global token at dispatched position d (-1 for padding), and
-    ``undispatch_perm[g]`` is the dispatched position of global token g: ``x_d = x_pad[position_ids()]``,
-    ``x = x_d[undispatch_perm]``.
+    multiple of ``chunk_size * cp`` (of ``2 * chunk_size * cp`` for zigzag, which needs an even number of
+    chunks per rank: ``CHUNKS_PER_RANK_MULTIPLE``); padding tokens attend nothing and are dropped by
+    undispatch. Rank r owns the chunks ``partitions[r]`` (ascending, ``chunks_per_rank`` of them) and holds
+    them in that order in its local buffer of ``local_len`` tokens. The dispatched (global) array is the
+    ranks' local buffers one after another: ``dispatch_perm[d]`` is the global token at dispatched position
+    d (-1 for padding), and ``undispatch_perm[g]`` is the dispatched position of global token g:
+    ``x_d = x_pad[position_ids()]``, ``x = x_d[undispatch_perm]``.
 
     Slices. ``host`` holds, for every rank, the slices whose keys it owns: rows index its local queries and
     keys index its local keys (the same local buffer). Then, for each stage i of ``stages``, rank r receives
@@ -306,8 +307,10 @@ def make_plan(mask: AttnMask, cp: int, chunk_size: int | None = None, solver: st
     """Plan self-attention with ``mask`` over ``cp`` ranks; cached on all arguments.
 
     ``chunk_size`` defaults to ``default_chunk_size(seqlen, cp)``. ``solver`` is one of ``SOLVERS``
-    (``comm_aware``, ``minheap``, ``zigzag``, ``contiguous``). ``overlap`` is the number of stages the remote
-    keys are fetched in (0: all at once, then one fused call; 1..8), or "auto" for the cost model's best.
+    (``comm_aware``, ``minheap``, ``zigzag``, ``contiguous``); the sequence is padded to an equal number of
+    chunks per rank, an even number for ``zigzag`` (``CHUNKS_PER_RANK_MULTIPLE``). ``overlap`` is the number
+    of stages the remote keys are fetched in (0: all at once, then one fused call; 1..8), or "auto" for the
+    cost model's best.
     Heads and head_dim only feed the cost model. ``imbalance_cap`` bounds max/mean area for ``comm_aware``.
     """
     num_heads_kv = num_heads_q if num_heads_kv is None else num_heads_kv
@@ -421,7 +424,8 @@ def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str,
     if real_chunks < cp:
         raise ValueError(f"cp={cp} ranks but only {real_chunks} chunks of chunk_size={C} in {T} tokens; "
                          f"use chunk_size <= {max(1, T // cp)} or fewer ranks")
-    n = math.ceil(T / (C * cp)) * cp
+    step = cp * CHUNKS_PER_RANK_MULTIPLE.get(solver, 1)    # chunks: equal per rank, as the solver needs
+    n = math.ceil(T / (C * step)) * step
     T_pad, per = n * C, n // cp
     table = chunk_table(mask, C, n)
     cell_s, key_s = model.cell_seconds(hq, head_dim), model.key_seconds(hkv, head_dim)

@@ -23,6 +23,10 @@ from magi_jax.planner.chunks import ChunkTable
 
 Partition = tuple[np.ndarray, ...]
 
+# What a solver needs the chunks per rank to be a multiple of (zigzag halves each rank's share); make_plan
+# pads the sequence to a multiple of ``chunk_size * cp * CHUNKS_PER_RANK_MULTIPLE.get(solver, 1)``.
+CHUNKS_PER_RANK_MULTIPLE: dict[str, int] = {"zigzag": 2}
+
 
 def _check(num_chunks: int, cp: int) -> int:
     if num_chunks % cp:
@@ -52,7 +56,9 @@ def contiguous(num_chunks: int, cp: int) -> Partition:
 def zigzag(num_chunks: int, cp: int) -> Partition:
     per = _check(num_chunks, cp)
     if per % 2:
-        raise ValueError(f"zigzag needs an even number of chunks per rank, got {per}")
+        raise ValueError(f"solver 'zigzag' needs an even number of chunks per rank, got {num_chunks} chunks over "
+                         f"cp={cp} ({per} per rank): the sequence must be padded to a multiple of "
+                         f"2 x chunk_size x cp (make_plan does this)")
     half = per // 2
     return tuple(np.concatenate([np.arange(r * half, (r + 1) * half),
                                  np.arange((2 * cp - 1 - r) * half, (2 * cp - r) * half)]).astype(np.int64)
