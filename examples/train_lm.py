@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 
 # Eight host devices for the CPU run; only the CPU platform reads this flag, so GPU runs are unaffected.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -31,6 +32,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
+
+
+# Tokens per planner chunk on each platform.
+CHUNK_SIZE = {"cpu": 64, "gpu": 512}
 
 
 def document_lengths(total: int, mean: int, seed: int | list[int]) -> list[int]:
@@ -136,15 +141,34 @@ def make_step(cfg, lr: float):
     return step
 
 
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an int >= low (a bad value is a usage error naming the option)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int_at_least(1), default=200)
     ap.add_argument("--platform", choices=["auto", "cpu", "gpu"], default="auto")
-    ap.add_argument("--dp", type=int, default=None)
-    ap.add_argument("--cp", type=int, default=None)
-    ap.add_argument("--seqlen", type=int, default=None, help="tokens per sequence (default: 1024 CPU, 16384 GPU)")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--width", type=int, default=None)
+    ap.add_argument("--dp", type=int_at_least(1), default=None,
+                    help="data-parallel size (default: 2 if the devices allow, else 1)")
+    ap.add_argument("--cp", type=int_at_least(1), default=None,
+                    help="context-parallel size (default: 4 of 8 CPU devices, half of 4 or more GPUs)")
+    # 2 tokens at least: a document's last token predicts nothing (weight 0), so 1 would leave no loss.
+    ap.add_argument("--seqlen", type=int_at_least(2), default=None,
+                    help=f"tokens per sequence (default: 1024 CPU, 16384 GPU); at least 2 and more than (cp - 1) x "
+                         f"the chunk size ({CHUNK_SIZE['cpu']} CPU, {CHUNK_SIZE['gpu']} GPU), so that every cp rank "
+                         f"gets a chunk")
+    ap.add_argument("--layers", type=int_at_least(0), default=2)
+    ap.add_argument("--width", type=int_at_least(1), default=None, help="model width (default: 128 CPU, 512 GPU)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -152,21 +176,29 @@ def main(argv: list[str] | None = None) -> int:
     platform = args.platform
     if platform == "auto":
         platform = "gpu" if any(d.platform == "gpu" for d in jax.devices()) else "cpu"
-    devices = jax.devices(platform)
+    try:
+        devices = jax.devices(platform)
+    except RuntimeError:
+        ap.error(f"--platform {platform}: no {platform} devices on this host (it has "
+                 f"{', '.join(sorted({d.platform for d in jax.devices()}))})")
     n = len(devices)
-    cp = args.cp or (4 if platform == "cpu" and n >= 8 else max(1, n // 2) if n >= 4 else n)
-    dp = args.dp or max(1, min(2, n // cp))
+    cp = args.cp if args.cp is not None else 4 if platform == "cpu" and n >= 8 else max(1, n // 2) if n >= 4 else n
+    dp = args.dp if args.dp is not None else max(1, min(2, n // cp))
     if dp * cp > n:
-        print(f"train_lm: dp {dp} x cp {cp} needs {dp * cp} {platform} devices, have {n}", file=sys.stderr)
-        return 2
+        ap.error(f"--dp {dp} x --cp {cp} needs {dp * cp} {platform} devices, have {n}")
     on_gpu = platform == "gpu"
 
     class cfg:
         vocab = 64
         heads, kv_heads, head_dim = (8, 2, 128) if on_gpu else (4, 2, 64)
         dtype = jnp.bfloat16 if on_gpu else jnp.float32
-    width = args.width or (512 if on_gpu else 128)
-    seqlen = args.seqlen or (16384 if on_gpu else 1024)
+    width = args.width if args.width is not None else 512 if on_gpu else 128
+    seqlen = args.seqlen if args.seqlen is not None else 16384 if on_gpu else 1024
+    chunk_size = CHUNK_SIZE[platform]
+    # The planner gives each cp rank whole chunks (the last one padded), so it needs at least cp of them.
+    if seqlen <= (cp - 1) * chunk_size:
+        ap.error(f"--seqlen {seqlen}: must be more than (cp - 1) x chunk size = {(cp - 1) * chunk_size} tokens "
+                 f"for cp {cp} (chunk size {chunk_size} on {platform})")
 
     mesh = Mesh(np.array(devices[:dp * cp]).reshape(dp, cp), ("dp", "cp"))
 
@@ -175,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         mask). Sequence b of step s is i = s * dp + b."""
         lengths = document_lengths(seqlen, mean=max(32, seqlen // 12), seed=[args.seed, i])
         plan = mj.plan(mj.masks.varlen_causal(lengths), mesh, axis="cp", num_heads_q=cfg.heads,
-                       num_heads_kv=cfg.kv_heads, head_dim=cfg.head_dim, chunk_size=(512 if on_gpu else 64),
+                       num_heads_kv=cfg.kv_heads, head_dim=cfg.head_dim, chunk_size=chunk_size,
                        overlap=1)
         return lengths, plan
 

@@ -280,7 +280,11 @@ def _take_each(x, index):
     x, index = _whole_tokens(x, 1), jnp.asarray(index)
     sharding = _explicit_sharding(x)
     if sharding is not None:   # vmap needs the index's batch dim sharded as x's
-        index = jax.sharding.reshard(index, NamedSharding(sharding.mesh, P((tuple(sharding.spec) + (None,))[0], None)))
+        spec = P((tuple(sharding.spec) + (None,))[0], None)
+        if isinstance(x, jax.core.Tracer):
+            index = jax.sharding.reshard(index, NamedSharding(sharding.mesh, spec))
+        else:   # eager: placed on x's devices (reshard needs a mesh context, jax.set_mesh, outside jit)
+            index = jax.device_put(index, NamedSharding(x.sharding.mesh, spec))
     return jax.vmap(lambda xb, ib: jnp.take(xb, ib, axis=0))(x, index)
 
 
@@ -481,6 +485,10 @@ BACKWARDS = ("staged", "fused")
 SM_MARGIN = 0
 
 
+# What the backward's dK/dV partials may travel as (summed in float32 on arrival).
+WIRE_DTYPES = ("bfloat16", "float16", "float32")
+
+
 def _config(p: DistAttnPlan | PlanTables, head_dim: int, softmax_scale, softcap, deterministic, transport,
             wire_dtype, backward, sm_margin) -> _Config:
     if transport not in TRANSPORTS:
@@ -490,9 +498,19 @@ def _config(p: DistAttnPlan | PlanTables, head_dim: int, softmax_scale, softcap,
     if backward not in BACKWARDS:
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     scale, cap = ffa.check_scale_and_softcap(softmax_scale, softcap, head_dim)
-    wire = None if wire_dtype is None else jnp.dtype(wire_dtype).name
+    wire = None if wire_dtype is None else _wire_dtype(wire_dtype)
     return _Config(p.axis, p.overlap_degree == 0, scale, cap, ffa.check_deterministic(deterministic), wire,
                    backward, ffa.check_sm_margin(sm_margin))
+
+
+def _wire_dtype(dtype) -> str:
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in WIRE_DTYPES:
+        raise ValueError(f"reduce_wire_dtype: expected one of {WIRE_DTYPES} (or None), got {dtype!r}")
+    return name
 
 
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *,
@@ -560,6 +578,9 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     seq_dim = q.ndim - 3
     spec = _spec(mesh, p, q.shape, seq_dim, batch_axes, head_axes, seq_dim + 1)
     lse_spec = P(*tuple(spec)[:-1])
+    # Explicit mesh axes: q, k, v come as dispatch left them (heads whole, the batch as its batch_axes chose);
+    # shard_map takes them only in its in_specs, so they are resharded here (Auto axes do this implicitly).
+    q, k, v = (_place(x, mesh, spec) if _explicit_sharding(x) is not None else x for x in (q, k, v))
     if isinstance(p, PlanTables):   # every rank receives its own rows of the tables (comm.own_row)
         table_spec = P(p.axis)
         if p.spec.batch is not None:    # batched: the batch dim split like q's

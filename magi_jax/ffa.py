@@ -95,24 +95,27 @@ def check_sm_margin(sm_margin) -> int:
     return int(sm_margin)
 
 
-def check_qkv(q, k, v) -> None:
-    """Shape and dtype checks with errors that name the argument."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if np.ndim(x) != 3:
-            raise ValueError(f"{name}: expected [tokens, heads, head_dim], got shape {np.shape(x)}")
+def check_qkv(q, k, v, names: tuple[str, str, str] = ("q", "k", "v"), ndim: int = 3) -> None:
+    """Shape and dtype checks of [..., tokens, heads, head_dim] arrays of ``ndim`` dims (leading dims, if any,
+    are the caller's to check), with errors that name the argument as ``names`` give it."""
+    nq, nk, nv = names
+    layout = "[tokens, heads, head_dim]" if ndim == 3 else f"{ndim} dims, [..., tokens, heads, head_dim]"
+    for name, x in zip(names, (q, k, v)):
+        if np.ndim(x) != ndim:
+            raise ValueError(f"{name}: expected {layout}, got shape {np.shape(x)}")
     if q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"q: dtype {q.dtype} unsupported; use bfloat16, float16 or float32")
-    for name, x in (("k", k), ("v", v)):
+        raise ValueError(f"{nq}: dtype {q.dtype} unsupported; use bfloat16, float16 or float32")
+    for name, x in ((nk, k), (nv, v)):
         if x.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype {x.dtype} differs from q's {q.dtype}")
+            raise ValueError(f"{name}: dtype {x.dtype} differs from {nq}'s {q.dtype}")
     if v.shape != k.shape:
-        raise ValueError(f"v: shape {v.shape} differs from k's {k.shape}")
-    if k.shape[2] != q.shape[2]:
-        raise ValueError(f"k: head_dim {k.shape[2]} differs from q's {q.shape[2]}")
-    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"q: head_dim {q.shape[2]} unsupported; use one of {SUPPORTED_HEAD_DIMS}")
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"k: {k.shape[1]} kv heads do not divide {q.shape[1]} q heads")
+        raise ValueError(f"{nv}: shape {v.shape} differs from {nk}'s {k.shape}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{nk}: head_dim {k.shape[-1]} differs from {nq}'s {q.shape[-1]}")
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"{nq}: head_dim {q.shape[-1]} unsupported; use one of {SUPPORTED_HEAD_DIMS}")
+    if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
+        raise ValueError(f"{nk}: {k.shape[-2]} kv heads do not divide {q.shape[-2]} {nq} heads")
 
 
 def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):

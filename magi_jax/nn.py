@@ -46,15 +46,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
                          "lengths and segment_ids, or slices with magi_jax.flex_flash_attn")
     if implementation is not None:
         raise ValueError(f"implementation: magi_jax runs FFA only; got {implementation!r}")
+    _check_qkv(query, key, value)
+    # Checked here so that errors name `scale`, not flex_flash_attn's softmax_scale.
+    scale = None if scale is None else ffa._concrete_float("scale", scale)
     unbatched = np.ndim(query) == 3
-    for name, x in (("key", key), ("value", value)):
-        if np.ndim(x) != np.ndim(query):
-            raise ValueError(f"{name}: has {np.ndim(x)} dims, query has {np.ndim(query)}")
-    if np.ndim(query) not in (3, 4):
-        raise ValueError(f"query: expected [B, T, N, H] or [T, N, H], got shape {np.shape(query)}")
     q, k, v = (x[None] if unbatched else x for x in (query, key, value))
-    if not q.shape[0] == k.shape[0] == v.shape[0]:
-        raise ValueError(f"key: batch {k.shape[0]} differs from query's {q.shape[0]}")
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     q_ranges, k_ranges, types, overflow = mask_slices(B, T, S, is_causal, local_window_size, query_seq_lengths,
                                                       key_value_seq_lengths, segment_ids, max_segments, unbatched)
@@ -155,6 +151,16 @@ def _window(local_window_size, limit: int) -> tuple[int, int]:
     return min(int(pair[0]), limit), min(int(pair[1]), limit)
 
 
+def _check_qkv(query, key, value) -> None:
+    """ffa.check_qkv on the caller's arrays, before they are flattened, so that errors name query, key and
+    value with the shapes passed."""
+    if np.ndim(query) not in (3, 4):
+        raise ValueError(f"query: expected [B, T, N, H] or [T, N, H], got shape {np.shape(query)}")
+    ffa.check_qkv(query, key, value, names=("query", "key", "value"), ndim=np.ndim(query))
+    if np.ndim(query) == 4 and key.shape[0] != query.shape[0]:
+        raise ValueError(f"key: batch {key.shape[0]} differs from query's {query.shape[0]}")
+
+
 def _check_ints(name: str, x, shape: tuple) -> None:
     if np.shape(x) != shape or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
         raise ValueError(f"{name}: expected integers of shape {shape}, got {jnp.result_type(x)} {np.shape(x)}")
@@ -163,6 +169,8 @@ def _check_ints(name: str, x, shape: tuple) -> None:
 def _lengths(name: str, lengths, batch: int, total: int, xp):
     if lengths is None:
         return np.full((batch,), total, np.int32)
+    if isinstance(lengths, (list, tuple)):
+        lengths = np.asarray(lengths)   # as jax.nn takes them; floats are still refused below
     _check_ints(name, lengths, (batch,))
     if not isinstance(lengths, jax.core.Tracer) and not np.all((np.asarray(lengths) >= 0) &
                                                                (np.asarray(lengths) <= total)):

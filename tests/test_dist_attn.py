@@ -292,6 +292,9 @@ def test_bad_arguments():
         mj.calc_attn(q, q, q, mp, backward="pipelined")
     with pytest.raises(ValueError, match="sm_margin"):
         mj.calc_attn(q, q, q, mp, sm_margin=-8)
+    for wire in ("foo", jnp.int8, bool):
+        with pytest.raises(ValueError, match="^reduce_wire_dtype: expected one of"):
+            mj.calc_attn(q, q, q, mp, reduce_wire_dtype=wire)
     with pytest.raises(ValueError, match="the mesh has"):
         mj.calc_attn(q, q, q, make_plan(mask, 4, chunk_size=16), mesh=mesh)
     with pytest.raises(ValueError, match="no mesh"):
@@ -398,6 +401,29 @@ def test_heads_over_a_tensor_parallel_axis():
     kd = mj.dispatch(k, mp)
     text = jax.jit(lambda q, k: mj.calc_attn(q, k, k, mp, head_axes="tp")).lower(qd, kd).compile().as_text()
     assert "all-gather" not in text
+
+
+@pytest.mark.parametrize("batch", [None, 2])
+def test_heads_over_tp_on_an_explicit_mesh(batch):
+    """head_axes="tp" on jax.make_mesh's Explicit axes: dispatch leaves the heads whole (and a batch over tp,
+    its "auto" choice), calc_attn reshards them as its shard_map needs."""
+    mesh = jax.make_mesh((4, 2), ("cp", "tp"), devices=jax.devices("cpu")[:8])
+    mask = masks.varlen_causal([100, 156])
+    mp = mj.plan(mask, mesh, chunk_size=16, overlap=1, num_heads_q=4, num_heads_kv=2, head_dim=64)
+    rng = np.random.default_rng(12)
+    qkv = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 4, 2, 64)
+    want = mj.flex_flash_attn(*qkv, mask=mask)[0]
+    if batch:
+        qkv, want = tuple(jnp.stack([x] * batch) for x in qkv), jnp.stack([want] * batch)
+    seq_dim = 1 if batch else 0
+
+    @jax.jit
+    def fn(q, k, v):
+        qd, kd, vd = (mj.dispatch(x, mp, seq_dim=seq_dim) for x in (q, k, v))
+        return mj.undispatch(mj.calc_attn(qd, kd, vd, mp, head_axes="tp")[0], mp, seq_dim=seq_dim)
+
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(fn(*qkv), want, rtol=1e-5, atol=1e-5)
 
 
 def test_checkpoint_policy_keeps_the_forward_out_of_the_backward():

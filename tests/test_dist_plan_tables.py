@@ -223,3 +223,14 @@ def test_tables_on_an_explicit_mesh_from_make_mesh(batched):
         for a, b in zip(grads, want_grads):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert got._cache_size() == 1
+
+
+def test_batched_tables_dispatch_and_undispatch_eagerly():
+    """Batched tables on jax.make_mesh's Explicit (dp, cp) axes, outside jit and jax.set_mesh: the round trip
+    (undispatch placed its index with a reshard, which needs a mesh context there)."""
+    mesh = jax.make_mesh((2, 4), ("dp", "cp"), devices=jax.devices("cpu")[:8])
+    plans = [mj.plan(masks.varlen_causal(lens), mesh, num_heads_q=2, head_dim=64, chunk_size=16)
+             for lens in ([100, 156], [50, 206])]
+    tables = mj.plan_tables(plans, mj.PlanCapacity.of(plans))
+    x = np.random.default_rng(13).standard_normal((2, 256, 3)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(mj.undispatch(mj.dispatch(x, tables, seq_dim=1), tables, seq_dim=1)), x)

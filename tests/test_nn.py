@@ -229,16 +229,42 @@ def _qkv4(B=1, T=8, S=8):
     (dict(segment_ids=np.arange(8, dtype=np.int32)[None], max_segments=3), "max_segments"),
     (dict(segment_ids=np.zeros((1, 8), np.int32), max_segments=0), "max_segments"),
     (dict(max_segments=2), "max_segments"),
+    (dict(query_seq_lengths=[3.0]), "query_seq_lengths: expected integers"),
+    (dict(scale=float("nan")), "scale: must be finite"),
 ])
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mj.dot_product_attention(*_qkv4(), **kwargs)
 
 
+def test_seq_lengths_as_lists_or_tuples_as_jax_nn_takes_them():
+    q, k, v = _qkv4(B=2)
+    want = mj.dot_product_attention(q, k, v, query_seq_lengths=np.array([3, 8], np.int32),
+                                    key_value_seq_lengths=np.array([5, 2], np.int32))
+    got = mj.dot_product_attention(q, k, v, query_seq_lengths=[3, 8], key_value_seq_lengths=(5, 2))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_traced_scale_is_named_scale():
+    with pytest.raises(ValueError, match="scale: must be a Python or NumPy number"):
+        jax.jit(lambda s: mj.dot_product_attention(*_qkv4(), scale=s))(0.2)
+
+
 def test_bad_shapes_name_the_argument():
     q, k, v = _qkv4()
     with pytest.raises(ValueError, match="key"):
         mj.dot_product_attention(q, k[0], v)
+    # The caller's names and shapes, not the flattened ones FFA sees.
+    with pytest.raises(ValueError, match=r"value: shape \(1, 4, 2, 64\) differs from key's \(1, 8, 2, 64\)"):
+        mj.dot_product_attention(q, k, v[:, :4])
+    with pytest.raises(ValueError, match=r"key: head_dim 128 differs from query's 64"):
+        mj.dot_product_attention(q, jnp.tile(k, 2), jnp.tile(v, 2))
+    with pytest.raises(ValueError, match=r"query: head_dim 32 unsupported"):
+        mj.dot_product_attention(q[..., :32], k[..., :32], v[..., :32])
+    with pytest.raises(ValueError, match=r"value: dtype bfloat16 differs from query's float32"):
+        mj.dot_product_attention(q, k, v.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"key: 2 kv heads do not divide 3 query heads"):
+        mj.dot_product_attention(jnp.concatenate([q, q[:, :, :1]], 2), k, v)
     with pytest.raises(ValueError, match="segment_ids: self-attention"):
         mj.dot_product_attention(*_qkv4(S=12), segment_ids=np.zeros((1, 8), np.int32))
     with pytest.raises(ValueError, match="max_segments: required"):

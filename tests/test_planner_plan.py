@@ -335,3 +335,17 @@ def test_coverage_mask_families(name, solver):
     plan = make_plan(mask, cp=4, chunk_size=4, solver=solver, overlap="auto")
     check_coverage(plan)
     assert plan.stats().area.sum() == mask.area()
+
+
+def test_capacity_of_rejects_infinite_headroom_and_non_plans():
+    from magi_jax.planner.plan import PlanCapacity
+    mask = varlen_causal([10, 6])
+    plan = make_plan(mask, cp=2, chunk_size=2)
+    assert PlanCapacity.of([plan, plan.capacity()]) == plan.capacity()
+    for headroom in (float("inf"), float("nan"), 0.5):
+        with pytest.raises(ValueError, match="headroom: must be finite and >= 1"):
+            PlanCapacity.of([plan], headroom=headroom)
+    with pytest.raises(ValueError, match=r"plans: element 1 \(AttnMask\) is not a"):
+        PlanCapacity.of([plan, mask])
+    with pytest.raises(ValueError, match=r"plans: element 0 \(str\)"):
+        PlanCapacity.of(["causal"])

@@ -119,13 +119,18 @@ class PlanCapacity:
     def of(cls, plans, headroom: float = 1.0) -> PlanCapacity:
         """The smallest capacity holding every plan of ``plans`` (DistAttnPlan, or anything with one as
         ``.plan``, such as magi_jax.MeshPlan; a PlanCapacity there counts as its fields), each field but
-        ``stages`` times ``headroom`` (>= 1) and rounded up, so that later plans of similar masks fit too
-        (stages are not: an empty stage still moves its block)."""
-        if not headroom >= 1.0:
-            raise ValueError(f"headroom: must be >= 1, got {headroom}")
+        ``stages`` times ``headroom`` (finite, >= 1) and rounded up, so that later plans of similar masks fit
+        too (stages are not: an empty stage still moves its block)."""
+        if not 1.0 <= headroom < math.inf:
+            raise ValueError(f"headroom: must be finite and >= 1, got {headroom}")
         need = np.ones(len(fields(cls)), np.int64)
-        for x in plans:
-            c = x if isinstance(x, PlanCapacity) else getattr(x, "plan", x).capacity()
+        for i, x in enumerate(plans):
+            c = getattr(x, "plan", x)
+            if isinstance(c, DistAttnPlan):
+                c = c.capacity()
+            elif not isinstance(c, PlanCapacity):
+                raise ValueError(f"plans: element {i} ({type(x).__name__}) is not a DistAttnPlan, MeshPlan or "
+                                 f"PlanCapacity")
             need = np.maximum(need, astuple(c))
         return cls(int(need[0]), *(int(np.ceil(x * headroom)) for x in need[1:]))
 
