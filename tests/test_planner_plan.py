@@ -281,6 +281,7 @@ def test_auto_overlap_prefers_a_stage_when_compute_hides_the_fetch():
     (dict(cp=2, overlap=9), "overlap"),
     (dict(cp=2, num_heads_q=6, num_heads_kv=4), "multiple"),
     (dict(cp=2, head_dim=0), "head_dim"),
+    (dict(cp=2, cost_model="fast"), "^cost_model: expected"),
 ])
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

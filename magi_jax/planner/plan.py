@@ -321,6 +321,9 @@ def make_plan(mask: AttnMask, cp: int, chunk_size: int | None = None, solver: st
     num_heads_kv = num_heads_q if num_heads_kv is None else num_heads_kv
     _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap)
     cost_model = CostModel() if cost_model is None else cost_model
+    if not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model: expected a magi_jax.planner CostModel (or None), got "
+                         f"{type(cost_model).__name__}")
     chunk_size = default_chunk_size(mask.total_seqlen_q, cp) if chunk_size is None else int(chunk_size)
     return _make_plan(mask, int(cp), chunk_size, solver, overlap if overlap == "auto" else int(overlap),
                       int(num_heads_q), int(num_heads_kv), int(head_dim), cost_model, float(imbalance_cap),
