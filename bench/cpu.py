@@ -18,6 +18,8 @@ import numpy as np
 import magi_jax as mj
 from bench.common import append_report, attention_flops, markdown_table, median_seconds
 from magi_jax import masks
+from magi_jax.ffa import SUPPORTED_HEAD_DIMS
+from magi_jax.planner.cli import positive_int
 
 
 def document_lengths(total: int, count: int, seed: int = 0) -> list[int]:
@@ -31,12 +33,15 @@ def document_lengths(total: int, count: int, seed: int = 0) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m magi_jax bench --backend cpu")
-    parser.add_argument("--seqlen", type=int, default=8192)
-    parser.add_argument("--docs", type=int, default=8)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--seqlen", type=positive_int, default=8192, help="at least 8 tokens per document")
+    parser.add_argument("--docs", type=positive_int, default=8)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--head-dim", type=int, choices=SUPPORTED_HEAD_DIMS, default=64)
     parser.add_argument("--no-append", action="store_true", help="print only; do not touch BENCHMARKS.md")
     args = parser.parse_args(argv)
+    # document_lengths gives each document at least 1/7 of the mean length: 8 tokens a document keep it >= 1.
+    if args.seqlen < 8 * args.docs:
+        parser.error(f"argument --seqlen: {args.seqlen} tokens for --docs {args.docs}: at least 8 a document")
     t, h, d = args.seqlen, args.heads, args.head_dim
     lengths = document_lengths(t, args.docs)
     cases = {"varlen causal": masks.varlen_causal(lengths), "whole causal": masks.causal(t)}
