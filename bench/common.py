@@ -3,7 +3,6 @@ markdown table appended to BENCHMARKS.md with date, machine, versions and comman
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gzip
 import json
@@ -18,6 +17,8 @@ from typing import Callable, Sequence
 
 import jax
 import numpy as np
+
+from magi_jax.planner.cli import positive_int  # noqa: F401  (argparse type of --rounds and other counts)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -82,14 +83,6 @@ def busy_seconds_per_call(events: Sequence[dict], calls: int) -> float:
 def attention_flops(area: int, heads_q: int, head_dim: int, backward: bool = False) -> float:
     """DESIGN.md section 5: forward 4 * area * Hq * D, forward+backward 3.5x that."""
     return 4.0 * area * heads_q * head_dim * (3.5 if backward else 1.0)
-
-
-def positive_int(text: str) -> int:
-    """argparse type of counts such as --rounds: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def ratio_text(x: float) -> str:

@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import magi_jax as mj
-from bench.common import append_report, attention_flops, markdown_table, median_seconds
+from bench.common import append_report, attention_flops, markdown_table, median_seconds, positive_int
 from magi_jax import masks
 from magi_jax.ffa import SUPPORTED_HEAD_DIMS
-from magi_jax.planner.cli import positive_int
 
 
 def document_lengths(total: int, count: int, seed: int = 0) -> list[int]:

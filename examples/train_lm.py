@@ -20,7 +20,6 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Callable
 
 # Eight host devices for the CPU run; only the CPU platform reads this flag, so GPU runs are unaffected.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -32,6 +31,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
+from magi_jax.planner.cli import int_at_least  # noqa: E402
 
 
 # Tokens per planner chunk on each platform.
@@ -139,19 +139,6 @@ def make_step(cfg, lr: float):
         params = jax.tree.map(lambda p, m, v: p - scale * m / (jnp.sqrt(v) + 1e-8), params, m, v)
         return params, {"t": t, "m": m, "v": v}, loss
     return step
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an int >= low (a bad value is a usage error naming the option)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-    return parse
 
 
 def main(argv: list[str] | None = None) -> int:

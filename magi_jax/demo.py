@@ -12,6 +12,7 @@ import numpy as np
 
 import magi_jax as mj
 from magi_jax import masks
+from magi_jax.planner.cli import int_at_least
 from magi_jax.reference import attention_dense, attention_f64, error_and_bound
 
 
@@ -69,10 +70,8 @@ MIN_SEQLEN = 16
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m magi_jax demo")
-    parser.add_argument("--seqlen", type=int, default=2048, help=f"tokens per mask, at least {MIN_SEQLEN}")
+    parser.add_argument("--seqlen", type=int_at_least(MIN_SEQLEN), default=2048, help="tokens per mask")
     args = parser.parse_args(argv)
-    if args.seqlen < MIN_SEQLEN:
-        parser.error(f"argument --seqlen: the demo needs at least {MIN_SEQLEN} tokens, got {args.seqlen}")
     on_gpu = jax.devices()[0].platform == "gpu"
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     t = args.seqlen

@@ -65,14 +65,14 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
 def check_scale_and_softcap(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
     """(softmax_scale, softcap) as floats: finite, softcap >= 0 (0: none), the scale head_dim ** -0.5 when None.
     Both are compiled into the kernel call, so they must be concrete."""
-    scale = head_dim ** -0.5 if softmax_scale is None else _concrete_float("softmax_scale", softmax_scale)
-    cap = _concrete_float("softcap", softcap)
+    scale = head_dim ** -0.5 if softmax_scale is None else concrete_float("softmax_scale", softmax_scale)
+    cap = concrete_float("softcap", softcap)
     if cap < 0.0:
         raise ValueError(f"softcap: must be >= 0 (0 disables it), got {cap}")
     return scale, cap
 
 
-def _concrete_float(name: str, x) -> float:
+def concrete_float(name: str, x) -> float:
     if isinstance(x, jax.core.Tracer):
         raise ValueError(f"{name}: must be a Python or NumPy number (it is fixed at trace time), got a traced value")
     if np.ndim(x) != 0 or not np.issubdtype(np.asarray(x).dtype, np.number):

@@ -48,7 +48,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         raise ValueError(f"implementation: magi_jax runs FFA only; got {implementation!r}")
     _check_qkv(query, key, value)
     # Checked here so that errors name `scale`, not flex_flash_attn's softmax_scale.
-    scale = None if scale is None else ffa._concrete_float("scale", scale)
+    scale = None if scale is None else ffa.concrete_float("scale", scale)
     unbatched = np.ndim(query) == 3
     q, k, v = (x[None] if unbatched else x for x in (query, key, value))
     B, T, S = q.shape[0], q.shape[1], k.shape[1]

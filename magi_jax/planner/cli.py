@@ -7,7 +7,7 @@ import datetime
 import math
 import pathlib
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -32,24 +32,21 @@ def parse_tokens(text: str) -> int:
     return int(value)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    return _int_at_least(text, 1, "positive")
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= low (anything else a usage error that names the option)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    return _int_at_least(text, 0, "non-negative")
-
-
-def _int_at_least(text: str, low: int, what: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
-    return value
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
 
 
 def rank_counts(text: str) -> list[int]:

@@ -279,7 +279,8 @@ def default_chunk_size(seqlen: int, cp: int) -> int:
     return c // 128 * 128 if c >= 128 else 1 << (c.bit_length() - 1)
 
 
-def _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap):
+def _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap,
+                cost_model):
     if not isinstance(mask, AttnMask):
         raise TypeError(f"mask: expected a magi_jax AttnMask, got {type(mask).__name__}")
     if mask.total_seqlen_q != mask.total_seqlen_k:
@@ -303,6 +304,9 @@ def _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv
         raise ValueError(f"overlap: expected 'auto' or an integer 0..{MAX_DEGREE}, got {overlap!r}")
     if not imbalance_cap >= 1.0:
         raise ValueError(f"imbalance_cap: expected a number >= 1, got {imbalance_cap!r}")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(f"cost_model: expected a magi_jax.planner CostModel (or None), got "
+                         f"{type(cost_model).__name__}")
 
 
 def make_plan(mask: AttnMask, cp: int, chunk_size: int | None = None, solver: str = DEFAULT_SOLVER,
@@ -319,11 +323,9 @@ def make_plan(mask: AttnMask, cp: int, chunk_size: int | None = None, solver: st
     Heads and head_dim only feed the cost model. ``imbalance_cap`` bounds max/mean area for ``comm_aware``.
     """
     num_heads_kv = num_heads_q if num_heads_kv is None else num_heads_kv
-    _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap)
+    _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap,
+                cost_model)
     cost_model = CostModel() if cost_model is None else cost_model
-    if not isinstance(cost_model, CostModel):
-        raise ValueError(f"cost_model: expected a magi_jax.planner CostModel (or None), got "
-                         f"{type(cost_model).__name__}")
     chunk_size = default_chunk_size(mask.total_seqlen_q, cp) if chunk_size is None else int(chunk_size)
     return _make_plan(mask, int(cp), chunk_size, solver, overlap if overlap == "auto" else int(overlap),
                       int(num_heads_q), int(num_heads_kv), int(head_dim), cost_model, float(imbalance_cap),
