@@ -6,6 +6,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <type_traits>
 
 #include "flash_fwd_sm90_kernel.h"
@@ -41,6 +42,15 @@ Sched SchedFromEnv() {
   if (EnvEquals("MAGI_JAX_SM90_SCHED", "natural")) return Sched::kNatural;
   if (EnvEquals("MAGI_JAX_SM90_SCHED", "grid")) return Sched::kGrid;
   return Sched::kLpt;
+}
+
+// MAGI_JAX_SM90_CLAIM_LEAD, for measuring the tile claim's timing side by side (bench/kernel.py
+// "ffa@MAGI_JAX_SM90_CLAIM_LEAD=0"): the claim lead in steps, FwdSm90Tile::kClaimLead when unset; 0 takes a
+// tile after the last K/V load of the one before, a lead longer than any walk at the start of the one before.
+int ClaimLeadFromEnv(int fallback) {
+  const char* env = std::getenv("MAGI_JAX_SM90_CLAIM_LEAD");
+  if (env == nullptr || *env == '\0') return fallback;
+  return int(std::clamp<long long>(std::atoll(env), 0, 1 << 30));
 }
 
 // Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V, all tk keys of them, fit
@@ -97,13 +107,11 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   // The work, the order and the attention kernel, each chained to the kernel before (the lists' fill first;
   // launch.h LaunchKernel), so that no launch latency separates them; the order kernel also writes the stats,
   // live and the counter.
-  if (sched == Sched::kLpt) {
-    if (cudaError_t err = LaunchKernel(FwdWorkKernel<Tile::kBlockN>, (num_blocks + kWorkWarps - 1) / kWorkWarps,
-                                       kWorkWarps * 32, 0, stream, Follows::kOurKernel, p.slices, p.lists, num_blocks,
-                                       work);
-        err != cudaSuccess)
-      return err;
-  }
+  if (cudaError_t err = LaunchKernel(FwdWorkKernel<Tile::kBlockN>, (num_blocks + kWorkWarps - 1) / kWorkWarps,
+                                     kWorkWarps * 32, 0, stream, Follows::kOurKernel, p.slices, p.lists, num_blocks,
+                                     work);
+      err != cudaSuccess)
+    return err;
   if (cudaError_t err = LaunchLongestFirst(work, num_blocks, sched != Sched::kLpt, {order, stats, live, counter},
                                            stream);
       err != cudaSuccess)
@@ -118,6 +126,8 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   sp.num_tiles = num_blocks * p.hq;
   sp.section_heads = SectionHeads(p, D, int(sizeof(T)), device);
   sp.work_stats = stats;
+  sp.work = work;
+  sp.claim_lead = ClaimLeadFromEnv(Tile::kClaimLead);
   auto kernel = p.softcap > 0.0f ? FlashFwdSm90Kernel<T, D, true> : FlashFwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

@@ -41,6 +41,8 @@ struct FwdSm90Params {
   // [0] the work of one head's q blocks, [1] the largest q block's (written by the order kernel, tile_order.h
   // OrderOutputs; zero when the work is not computed: no tail merge)
   const unsigned long long* work_stats;
+  const int32_t* work;  // [num q blocks]: each q block's work (FwdBlockWork: its steps plus one)
+  int claim_lead;       // steps (FwdSm90Tile::kClaimLead)
 };
 
 // The key tiles of one slice for the rows [r0, r0 + bm) of a q block: a step is one key tile
@@ -98,14 +100,16 @@ struct FwdTileRecord {
   int cur;          // the first step's walk cursor; < 0: the tile has no step (the fields below unset)
   int qs, qe, ks, ke, type;  // its slice, clamped (Slice; sizes are < 2^31, CheckSizes)
   int c0, step_ke;  // its key span in the q block (FwdStep::c0, ke)
+  int steps;        // its key tiles, all slices (the K/V warp's claim_next arrival counts them down)
 
   // The record of `tile` whose first step is `first` (found by the walk). The slice is loaded again here
   // (an L1 hit) rather than taken from first.s: kept from the walk to the slot's wait, its fields took the
   // producer's 40 registers into spills.
-  MAGI_DEV static FwdTileRecord Of(const SliceArgs& a, const SliceWalk& walk, int tile, const FwdStep& first) {
-    if (first.cur < 0) return {tile, -1, 0, 0, 0, 0, 0, 0, 0};
+  MAGI_DEV static FwdTileRecord Of(const SliceArgs& a, const SliceWalk& walk, int tile, const FwdStep& first,
+                                   int steps) {
+    if (first.cur < 0) return {tile, -1, 0, 0, 0, 0, 0, 0, 0, 0};
     const Slice s = LoadSlice(a.q_ranges, a.k_ranges, a.types, walk.SliceId(first.cur), a.tq, a.tk);
-    return {tile, first.cur, int(s.qs), int(s.qe), int(s.ks), int(s.ke), s.type, first.c0, first.ke};
+    return {tile, first.cur, int(s.qs), int(s.qe), int(s.ks), int(s.ke), s.type, first.c0, first.ke, steps};
   }
   MAGI_DEV FwdStep Step() const {
     FwdStep st;

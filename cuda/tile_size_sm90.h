@@ -37,6 +37,11 @@ struct FwdSm90Tile {
   // could only start once both warpgroups had issued this tile's last S, and its latency showed at every
   // tile start: a per-tile cost that weighs most on short walks, varlen and sliding windows). D 256: one.
   static constexpr int kQStages = D <= 128 ? 2 : 1;
+  // With two: the next tile is taken when the K/V warp has this many steps of the tile before left to issue
+  // (flash_fwd_sm90_kernel.h, claim_next): late enough for the L2 sharing of long tiles, early enough that
+  // the claim, decode and Q load (a few microseconds) stay under the tile's last steps. The default of
+  // FwdSm90Params::claim_lead (MAGI_JAX_SM90_CLAIM_LEAD sets it: launch_fwd_sm90.cu).
+  static constexpr int kClaimLead = 4;
   // The output is staged in the Q buffer (D 256, above) instead of a buffer of its own.
   static constexpr bool kOInQ = D > 128;
   // The inter-warpgroup ping-pong (flash_fwd_sm90_kernel.h; the kernel's kPingPong switches it off for all).
@@ -89,6 +94,8 @@ struct FwdSm90Barriers {
   uint64_t k_full[kStages], k_empty[kStages];
   uint64_t v_full[kStages], v_empty[kStages];
   uint64_t tile_full[2], tile_empty[2];
+  // The K/V warp is claim_lead steps from a tile's end: the tile warp may take the tile after (two Q buffers).
+  uint64_t claim_next[2];
   FwdTileRecord tile[2];
   int tail_first;  // the scheduler's last-section start (TailSectionStart), set before the first tile
   int tiles;       // the tiles the call visits (VisitedTiles), set with it

@@ -155,6 +155,27 @@ def test_l2_sections_give_the_same_bits(hq, hkv, monkeypatch):
             np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_claim_leads_give_the_same_bits(d, monkeypatch):
+    # MAGI_JAX_SM90_CLAIM_LEAD moves when the tile warp takes the next tile (flash_fwd_sm90_kernel.h,
+    # claim_next): after the last K/V load of the tile before (0), a step or three before it, or at its start (a
+    # lead longer than any walk). Long walks (a 6000-token document), short ones (windows of 256), and q
+    # blocks with no keys (rows 9000-10000 attend nothing: tiles without steps, which arrive at their start).
+    rng = np.random.default_rng(16)
+    win = masks.sliding_window([3000], 256)
+    mask = AttnMask([[0, 6000], *[[6000 + s, 6000 + e] for s, e in win.q_ranges]],
+                    [[0, 6000], *[[6000 + s, 6000 + e] for s, e in win.k_ranges]],
+                    ["causal", *win.types], 10000, 9000)
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 8, 2, d, jnp.bfloat16)
+    qr, kr, types = mask.kernel_args()
+    fwd = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, qr, kr, types))
+    want = [np.asarray(x) for x in fwd(q, k, v)]
+    for lead in ("0", "1", "3", str(1 << 30)):
+        monkeypatch.setenv("MAGI_JAX_SM90_CLAIM_LEAD", lead)
+        for a, b in zip(want, fwd(q, k, v)):
+            np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8), err_msg=lead)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_chained_launches_give_the_same_bits(deterministic, monkeypatch):
     # Each call's small kernels and attention kernels are chained launches (programmatic dependent launch,
