@@ -269,8 +269,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     if (auto err = CheckSm90ForHeadDim(dims->d); err.failure()) return err;
     if (deterministic)
       return ffi::Error::InvalidArgument(
-          "q: head_dim 256 has no deterministic CUDA backward (deterministic=True needs head_dim 64 or 128 on "
-          "the GPU; deterministic=False runs head_dim 256)");
+          "q: head_dim 256 (where head dims above 128 run) has no deterministic CUDA backward "
+          "(deterministic=True needs a head_dim of at most 128 on the GPU; deterministic=False runs any)");
   }
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);

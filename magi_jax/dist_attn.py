@@ -520,8 +520,9 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
                     ) -> tuple[jax.Array, jax.Array]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
 
-    q [L, Hq, D], k/v [L, Hkv, D]: this rank's local buffers (L = plan.local_len), or with one leading batch
-    dim [B, L, ...] (every batch element has the plan's mask). Returns out [.., L, Hq, D] in q's dtype and
+    q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]: this rank's local buffers (L = plan.local_len), or with one
+    leading batch dim [B, L, ...] (every batch element has the plan's mask). Head dims as flex_flash_attn's
+    (other than 64 / 128 / 256 padded before the collectives). Returns out [.., L, Hq, Dv] in q's dtype and
     lse [.., L, Hq] float32. Options: ``transport`` of the group collectives ("auto", "all_to_all",
     "ppermute"); ``reduce_wire_dtype``: dtype of dK/dV partials on the wire in the backward (default: the
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "staged" (default: one FFA
@@ -550,18 +551,23 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     if batched and (q.ndim != 4 or q.shape[0] != jax.tree.leaves(tabs)[0].shape[0]):
         raise ValueError(f"q: batched plan tables of {jax.tree.leaves(tabs)[0].shape[0]} here need q [B, L, H, D] "
                          f"with that B, got shape {q.shape}")
+    head_dim_v = v.shape[-1]
+    q, k, v = ffa.pad_head_dims(q, k, v)   # before the collectives: K and V travel packed, one head dim
     if q.ndim == 3:
-        return _attn(q, k, v, tabs, cfg)
-    pick = (lambda b: jax.tree.map(lambda a: a[b], tabs)) if batched else (lambda b: tabs)
-    outs = [_attn(q[b], k[b], v[b], pick(b), cfg) for b in range(q.shape[0])]
-    return jnp.stack([o for o, _ in outs]), jnp.stack([lse for _, lse in outs])
+        out, lse = _attn(q, k, v, tabs, cfg)
+    else:
+        pick = (lambda b: jax.tree.map(lambda a: a[b], tabs)) if batched else (lambda b: tabs)
+        outs = [_attn(q[b], k[b], v[b], pick(b), cfg) for b in range(q.shape[0])]
+        out, lse = jnp.stack([o for o, _ in outs]), jnp.stack([lse for _, lse in outs])
+    return ffa.drop_head_dim_padding(out, head_dim_v), lse
 
 
 def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *,
               mesh: Mesh | None = None, batch_axes="auto", head_axes=None, **options
               ) -> tuple[jax.Array, jax.Array]:
-    """Attention of dispatched q [T, Hq, D] over dispatched k, v [T, Hkv, D] (T = plan.padded_seqlen) with
-    the plan's mask; returns dispatched out [T, Hq, D] and lse [T, Hq] (float32). jit- and grad-able.
+    """Attention of dispatched q [T, Hq, D] over dispatched k [T, Hkv, D], v [T, Hkv, Dv] (T =
+    plan.padded_seqlen) with the plan's mask; returns dispatched out [T, Hq, Dv] and lse [T, Hq] (float32).
+    jit- and grad-able.
 
     A shard_map over the plan's mesh axis; the other mesh axes pass through: a leading batch dim
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else

@@ -13,6 +13,7 @@ from magi_jax import _ffi
 from magi_jax.mask import AttnMask, as_type_codes
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# The kernels' head dims. Any other up to the largest runs zero-padded to the next of them (kernel_head_dim).
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # The names that flex_flash_attn and calc_attn give their out and lse as saved for the backward: under
 # jax.checkpoint, the policy jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES) keeps them,
@@ -24,14 +25,16 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
                     attn_type_map=None, *, mask: AttnMask | None = None, softmax_scale: float | None = None,
                     softcap: float = 0.0, deterministic: bool = False,
                     sm_margin: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Attention of packed q [Tq, Hq, D] over k, v [Tk, Hkv, D] restricted to a flexible mask.
+    """Attention of packed q [Tq, Hq, D] over k [Tk, Hkv, D] and v [Tk, Hkv, Dv] restricted to a flexible mask.
 
     The mask is either `mask=` (an AttnMask) or the three arrays q_ranges [N, 2], k_ranges [N, 2] and
     attn_type_map [N] (int32; numpy or traced: a new mask with the same N does not recompile). Concrete
     ranges are validated (named errors); traced ones cannot be: the kernels clamp them to the sequences, so
     no value reads or writes out of bounds, but invalid ones (reversed, type codes outside 0..3) give
     unspecified results. softmax_scale and softcap are Python or NumPy numbers, finite.
-    Returns out [Tq, Hq, D] in q's dtype and lse [Tq, Hq] float32 (natural log; -inf on rows with no key).
+    Returns out [Tq, Hq, Dv] in q's dtype and lse [Tq, Hq] float32 (natural log; -inf on rows with no key).
+    D and Dv (1 to 256) may differ; the kernels run 64, 128 and 256, other sizes zero-padded to the next of
+    them (kernel_head_dim), at the padded size's cost.
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
     bitwise reproducible. Under jax.vmap the calls run one batch element after another (packing the batch
     into one varlen mask is faster). sm_margin > 0 leaves that many SMs out of the forward's persistent grid (Hopper),
@@ -58,8 +61,30 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     check_qkv(q, k, v)
     q_ranges, k_ranges, attn_type_map = check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0])
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
-    return _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, cap, check_deterministic(deterministic),
-                check_sm_margin(sm_margin))
+    head_dim_v = v.shape[-1]
+    out, lse = _ffa(*pad_head_dims(q, k, v), q_ranges, k_ranges, attn_type_map, scale, cap,
+                    check_deterministic(deterministic), check_sm_margin(sm_margin))
+    return drop_head_dim_padding(out, head_dim_v), lse
+
+
+def kernel_head_dim(head_dim: int, head_dim_v: int) -> int:
+    """The kernels' head dim for q, k of head_dim and v of head_dim_v: the least of SUPPORTED_HEAD_DIMS that
+    holds both."""
+    return next(d for d in SUPPORTED_HEAD_DIMS if d >= max(head_dim, head_dim_v))
+
+
+def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v zero-padded along their last axis to kernel_head_dim (as they are where it is theirs). Exact:
+    zeros add nothing to q k^T, and v's zero columns give output columns that the caller drops. The softmax
+    scale stays the caller's (its default from q's own head dim)."""
+    d = kernel_head_dim(q.shape[-1], v.shape[-1])
+    pad = lambda x: x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+    return pad(q), pad(k), pad(v)
+
+
+def drop_head_dim_padding(out: jax.Array, head_dim_v: int) -> jax.Array:
+    """out's first head_dim_v columns: pad_head_dims undone."""
+    return out if out.shape[-1] == head_dim_v else out[..., :head_dim_v]
 
 
 def check_scale_and_softcap(softmax_scale, softcap, head_dim: int) -> tuple[float, float]:
@@ -108,12 +133,14 @@ def check_qkv(q, k, v, names: tuple[str, str, str] = ("q", "k", "v"), ndim: int 
     for name, x in ((nk, k), (nv, v)):
         if x.dtype != q.dtype:
             raise ValueError(f"{name}: dtype {x.dtype} differs from {nq}'s {q.dtype}")
-    if v.shape != k.shape:
-        raise ValueError(f"{nv}: shape {v.shape} differs from {nk}'s {k.shape}")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"{nv}: shape {v.shape} differs from {nk}'s {k.shape} (only the head dims may differ)")
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"{nk}: head_dim {k.shape[-1]} differs from {nq}'s {q.shape[-1]}")
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"{nq}: head_dim {q.shape[-1]} unsupported; use one of {SUPPORTED_HEAD_DIMS}")
+    for name, x in ((nq, q), (nv, v)):
+        if not 1 <= x.shape[-1] <= SUPPORTED_HEAD_DIMS[-1]:
+            raise ValueError(f"{name}: head_dim {x.shape[-1]} unsupported; use 1 to {SUPPORTED_HEAD_DIMS[-1]} "
+                             f"(sizes other than {SUPPORTED_HEAD_DIMS} run zero-padded to the next of them)")
     if k.shape[-2] == 0 or q.shape[-2] % k.shape[-2] != 0:
         raise ValueError(f"{nk}: {k.shape[-2]} kv heads do not divide {q.shape[-2]} {nq} heads")
 

@@ -63,7 +63,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         # a NaN row updated in place measured slower (BENCHMARKS.md 2026-12-01 01:03 UTC).
         poison = jax.lax.stop_gradient(jnp.where(overflow, jnp.nan, 0.0))
         out, lse = out + poison.astype(out.dtype), lse + poison
-    out, lse = out.reshape(q.shape), lse.reshape(B, T, q.shape[2])
+    out, lse = out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(B, T, q.shape[2])
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out

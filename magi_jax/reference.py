@@ -19,7 +19,7 @@ def attention_f64(q, k, v, mask: AttnMask, softmax_scale: float | None = None, s
                   dout=None, dlse=None):
     """Forward (out, lse) in float64; with dout (and optionally dlse) also (dq, dk, dv).
 
-    Shapes as flex_flash_attn: q [Tq, Hq, D], k/v [Tk, Hkv, D]; lse [Tq, Hq]. Empty rows: out 0, lse -inf.
+    Shapes as flex_flash_attn: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; out [Tq, Hq, Dv], lse [Tq, Hq]. Empty rows: out 0, lse -inf.
     One q head at a time, so that the largest temporaries are [Tq, Tk] (a 16k x 16k mask: 2 GB each).
     """
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
@@ -34,7 +34,7 @@ def attention_f64(q, k, v, mask: AttnMask, softmax_scale: float | None = None, s
         dout = np.asarray(dout, np.float64)
         dlse = np.zeros((tq, hq)) if dlse is None else np.asarray(dlse, np.float64)
         dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    out, lse = np.zeros_like(q), np.zeros((tq, hq))
+    out, lse = np.zeros((tq, hq, v.shape[-1])), np.zeros((tq, hq))
     for h in range(hq):
         kh, vh = k[:, h // group], v[:, h // group]
         raw = (q[:, h] @ kh.T) * scale

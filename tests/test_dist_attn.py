@@ -82,6 +82,18 @@ def test_gqa_and_mqa(hq, hkv, cp, overlap):
     check_dist(masks.sliding_window(DOCS, 40), mesh_of(cp), overlap=overlap, hq=hq, hkv=hkv)
 
 
+@pytest.mark.parametrize("d, dv, cp", [(96, 96, 2), (80, 48, 4)])
+def test_head_dims_other_than_the_kernels(d, dv, cp):
+    # Padded to the kernels' head dim before the collectives, the padding dropped from out; q, k and v
+    # head dims apart.
+    mask = masks.varlen_causal(DOCS)
+    mp = mj.plan(mask, mesh_of(cp), chunk_size=16, overlap=2, num_heads_q=2, head_dim=d)
+    rng = np.random.default_rng(d + dv)
+    q, k, _ = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, d)
+    v = jnp.asarray(rng.standard_normal((mask.total_seqlen_k, 2, dv)).astype(np.float32))
+    check_against_reference(global_fn(mp), mask, q, k, v, rng)
+
+
 def test_bf16_softcap_scale_and_wire_dtype():
     check_dist(masks.varlen_causal(DOCS), mesh_of(4), overlap=2, dtype=jnp.bfloat16, softcap=5.0,
                softmax_scale=0.2, reduce_wire_dtype=jnp.float32)

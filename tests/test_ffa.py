@@ -48,6 +48,20 @@ def test_gqa_and_mqa(hq, hkv):
     run_case(masks.varlen_causal([40, 90, 30]), hq=hq, hkv=hkv)
 
 
+@pytest.mark.parametrize("d, dv", [(32, 32), (96, 96), (80, 48), (192, 128), (64, 128), (128, 64)])
+def test_head_dims_other_than_the_kernels(d, dv):
+    # q, k of head dim d and v of dv (1 to 256): run zero-padded to the kernels' next size, the default scale
+    # from d, out [Tq, Hq, dv]; against float64, gradients included.
+    mask = masks.varlen_causal([40, 90, 30])
+    rng = np.random.default_rng(d + 1000 * dv)
+    q, k, _ = random_qkv(rng, 160, 160, 4, 2, d)
+    v = jnp.asarray(rng.standard_normal((160, 2, dv)).astype(np.float32))
+    fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)
+    out, lse = fn(q, k, v)
+    assert out.shape == (160, 4, dv) and lse.shape == (160, 4)
+    check_against_reference(fn, mask, q, k, v, rng)
+
+
 def test_softcap_and_scale():
     run_case(masks.sliding_window([70, 100], 30), softcap=3.0, softmax_scale=0.3)
 
@@ -178,10 +192,12 @@ OK_RANGES = dict(q_ranges=np.array([[0, 16]]), k_ranges=np.array([[0, 16]]), att
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: (*_qkv()[:2], _qkv()[2][:, :, :32]), r"^v: shape"),
+    (lambda: (*_qkv()[:2], _qkv()[2][:8]), r"^v: shape"),
+    (lambda: (*_qkv()[:2], _qkv()[2][:, :, :0]), r"^v: head_dim 0 unsupported; use 1 to 256"),
     (lambda: (_qkv()[0][0], *_qkv()[1:]), r"^q: expected \[tokens"),
     (lambda: (_qkv()[0], _qkv()[1].astype(jnp.bfloat16), _qkv()[2]), r"^k: dtype"),
-    (lambda: _qkv(d=48), r"^q: head_dim 48 unsupported"),
+    (lambda: _qkv(d=300), r"^q: head_dim 300 unsupported; use 1 to 256"),
+    (lambda: (_qkv()[0], _qkv(d=32)[1], _qkv()[2]), r"^k: head_dim 32 differs from q's 64"),
     (lambda: _qkv(hq=3, hkv=2), r"^k: 2 kv heads do not divide 3"),
     (lambda: _qkv(dtype=jnp.int32), r"^q: dtype int32 unsupported"),
 ])

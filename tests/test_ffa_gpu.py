@@ -264,6 +264,19 @@ def test_one_million_tokens_varlen_causal_forward_backward():
         assert_within_rule(name, part(got), r, l)
 
 
+@pytest.mark.parametrize("d, dv", [(96, 96), (192, 128), (32, 64)])
+def test_head_dims_other_than_the_kernels(d, dv):
+    # Zero-padded to 128, 256 and 64 (ffa.pad_head_dims), v's head dim apart: bf16 against float64, gradients
+    # included, on whichever kernels the padded size takes.
+    mask = masks.varlen_causal([700, 333, 91])
+    rng = np.random.default_rng(d + dv)
+    q, k, _ = random_qkv(rng, 1124, 1124, 4, 2, d, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((1124, 2, dv)).astype(np.float32)).astype(jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask))
+    assert fn(q, k, v)[0].shape == (1124, 4, dv)
+    check_against_reference(fn, mask, q, k, v, rng)
+
+
 # ------------------------------------------------------------------------------------------ head dim 256
 # cuda/handlers.cu: D 256 always runs the sm90 forward (TMA + wgmma, key tiles of 80, no intra-warpgroup
 # overlap) and the sm90 backward (BwdSm90Tile<256>: 64-key CTAs, the two consumer warpgroups split D, dQ by
@@ -372,12 +385,13 @@ def test_head_dim_256_backward_rows_and_keys_with_nothing():
     run_case(AttnMask(np.zeros((0, 2), int), np.zeros((0, 2), int), [], 200, 300), d=256)
 
 
-def test_head_dim_256_deterministic_backward_is_refused_by_name():
+@pytest.mark.parametrize("d", [256, 192])
+def test_head_dim_256_deterministic_backward_is_refused_by_name(d):
     # deterministic=True has no D 256 kernel (the mma.sync dq kernel is sized for 64 and 128): a clear error,
-    # and deterministic=False still runs in the same process.
+    # also where a head dim above 128 runs padded to 256, and deterministic=False still runs in the same process.
     mask = masks.varlen_causal([300, 200])
     rng = np.random.default_rng(8)
-    q, k, v = random_qkv(rng, 500, 500, 2, 2, 256, jnp.bfloat16)
+    q, k, v = random_qkv(rng, 500, 500, 2, 2, d, jnp.bfloat16)
     qr, kr, types = mask.kernel_args()
 
     def loss(q, k, v, deterministic):

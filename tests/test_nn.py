@@ -163,6 +163,19 @@ def test_unbatched_inputs_and_grads_match_jax_nn():
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("d", [32, 96])
+def test_head_dims_other_than_the_kernels_match_jax_nn(d):
+    """Head dims the kernels do not have (run zero-padded to 64 or 128): jax.nn's output and gradients."""
+    rng = np.random.default_rng(d)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 40, 2, d)), jnp.float32) for _ in range(3))
+    loss = lambda f: lambda q, k, v: (f(q, k, v, local_window_size=(7, 2)) ** 2).sum()
+    ref = jax.value_and_grad(loss(lambda *a, **kw: jax.nn.dot_product_attention(*a, implementation="xla", **kw)),
+                             argnums=(0, 1, 2))(q, k, v)
+    got = jax.value_and_grad(loss(mj.dot_product_attention), argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
 def test_new_packings_do_not_recompile_and_overflow_gives_nan():
     rng = np.random.default_rng(11)
     B, T = 2, 64
@@ -259,8 +272,8 @@ def test_bad_shapes_name_the_argument():
         mj.dot_product_attention(q, k, v[:, :4])
     with pytest.raises(ValueError, match=r"key: head_dim 128 differs from query's 64"):
         mj.dot_product_attention(q, jnp.tile(k, 2), jnp.tile(v, 2))
-    with pytest.raises(ValueError, match=r"query: head_dim 32 unsupported"):
-        mj.dot_product_attention(q[..., :32], k[..., :32], v[..., :32])
+    with pytest.raises(ValueError, match=r"query: head_dim 320 unsupported"):
+        mj.dot_product_attention(*(jnp.tile(x, 5) for x in (q, k, v)))
     with pytest.raises(ValueError, match=r"value: dtype bfloat16 differs from query's float32"):
         mj.dot_product_attention(q, k, v.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match=r"key: 2 kv heads do not divide 3 query heads"):
