@@ -1,8 +1,9 @@
 """Kernel benchmark on one GPU: magi_jax FFA (cuda/) against cuDNN (dense, and packed varlen through
 q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA dense where it fits.
 
-bf16, 16 heads, head dim 128 (256 for the `_d256` case), batch 1 packed. TFLOP/s count the unmasked area
-only: forward 4 * area * H * D, forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
+bf16, 16 heads, head dim 128 (else as the case's name says: `_d256`, `_d96`, `_mla192_128` for q / k 192 and v
+128), batch 1 packed. TFLOP/s count the unmasked area only: forward 4 * area * H * D (2 * area * H * (D + Dv)
+where v's head dim differs), forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
 of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
 `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run), `ffa_nn` the same
 kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids as constants: slices built on
@@ -193,6 +194,12 @@ class Case:
     mask: AttnMask
     baselines: dict[str, Callable[[], Callable]]  # built lazily: an import or a shape may fail
     head_dim: int = D
+    head_dim_v: int | None = None   # v's head dim where it differs from q / k's (MLA-style)
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs on the unmasked area: S = QK^T and O = PV, 2 x area x H x (D + Dv)."""
+        return 2.0 * self.mask.area() * H * (self.head_dim + (self.head_dim_v or self.head_dim))
 
 
 def make_cases() -> list[Case]:
@@ -237,6 +244,13 @@ def make_cases() -> list[Case]:
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
+    # Head dims the kernels do not have, run zero-padded to the next of 64 / 128 / 256 (magi_jax.ffa
+    # pad_head_dims): 96, and MLA's 192 for q / k with 128 for v. TFLOP/s count the unpadded dims.
+    cases.append(Case("causal_16k_d96", masks.causal(16384), {
+        "cudnn": lambda: cudnn_dense_causal,
+        "tokamax": lambda: tokamax(is_causal=True)}, head_dim=96))
+    cases.append(Case("causal_16k_mla192_128", masks.causal(16384), {
+        "cudnn": lambda: cudnn_dense_causal}, head_dim=192, head_dim_v=128))
     return cases
 
 
@@ -250,8 +264,9 @@ def rel_diff(a, b) -> float:
 def case_inputs(case: Case) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v [1, T, H, D] bf16, the same random values for every implementation."""
     keys = jax.random.split(jax.random.key(0), 3)
-    return tuple(jax.random.normal(kk, (1, case.mask.total_seqlen_q, H, case.head_dim), jnp.bfloat16)
-                 for kk in keys)
+    dims = (case.head_dim, case.head_dim, case.head_dim_v or case.head_dim)
+    return tuple(jax.random.normal(kk, (1, case.mask.total_seqlen_q, H, d), jnp.bfloat16)
+                 for kk, d in zip(keys, dims))
 
 
 def jitted(fn: Callable, mode: str) -> Callable:
@@ -268,7 +283,7 @@ def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3,
     gpu_time: also each one's GPU busy time per call, from a profiler trace (``gpu_ms``; gpu_table)."""
     total = case.mask.total_seqlen_q
     area = case.mask.area()
-    flops = 4.0 * area * H * case.head_dim
+    flops = case.flops
     q, k, v = case_inputs(case)
     fns: dict[str, Callable] = {"ffa": ffa(case.mask)}
     for name in impls:
@@ -505,7 +520,7 @@ def main() -> None:
     print("\n" + text + "\n\n" + bar, flush=True)
     command = "python " + " ".join([pathlib.Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     section = (f"\n## Kernel, one GPU ({datetime.date.today().isoformat()})\n\n{device.device_kind}; {versions()}; "
-               f"bf16, {H} heads, D {D} (the _d256 case: 256); TFLOP/s on the unmasked area "
+               f"bf16, {H} heads, D {D} (else as the case's name says); TFLOP/s on the unmasked area "
                f"(fwd+bwd = 3.5x fwd flops); per implementation the median of {args.rounds} rounds (implementations "
                f"in turn), each the median of 5 x 10 calls.\nCommand: `{command}`\n\n{text}\n\n{bar}\n")
     if not args.no_append:
