@@ -165,10 +165,10 @@ def test_plan_capacity_is_the_shapes_of_the_plans_own_tables():
         assert getattr(both, name) == max(getattr(c, name) for c in caps)
 
 
-@pytest.mark.parametrize("batch", [2, 4])
-def test_batched_tables_give_each_batch_element_its_own_mask(batch):
-    """dp 2 x cp 2; batch 2: one element per dp group, 4: two."""
-    check_batched_plan_tables(_masks(), mesh_of(2, dp=2), batch, seed=batch)
+@pytest.mark.parametrize("batch, d", [(2, 64), (4, 64), (2, 96)])
+def test_batched_tables_give_each_batch_element_its_own_mask(batch, d):
+    """dp 2 x cp 2; batch 2: one element per dp group, 4: two; head dim 96 runs padded to 128."""
+    check_batched_plan_tables(_masks(), mesh_of(2, dp=2), batch, seed=batch, d=d)
 
 
 def test_batched_tables_refuse_mismatched_inputs():
