@@ -43,7 +43,7 @@ def aligned_steps(k_start: np.ndarray) -> int:
 
 def ffa_steps(mask) -> int:
     """Key tiles the FFA forward walks per head (the host model of cuda/tools/tile_waste.py)."""
-    return int(tile_waste.computed_cells(mask, tile_waste.BLOCK_M, False, False)) // (BLOCK * BLOCK)
+    return tile_waste.walk_cells(mask) // (BLOCK * BLOCK)
 
 
 def fit(rows: list[dict], key: str) -> tuple[float, float, float] | None:

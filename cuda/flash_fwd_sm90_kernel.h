@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         const SliceWalk walk(args, fp.lists, qb);  // q block 0 past the last tile: read, not walked
         FwdStep first;
         first.cur = -1;
-        if (tile < tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, walk.First(args), &first);
+        if (tile < tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, BN, walk.First(args), &first);
         if (lane == 0) {
           MbarWait(&bars.tile_empty[slot.stage], slot.phase ^ 1);
           const int decoded = tile < tiles ? qb * fp.hq + h : p.num_tiles;
@@ -442,12 +442,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     FwdStep st = bars.tile[slot].Step();
     MbarArrive(&bars.tile_empty[slot]);  // after the record is read (the arrive releases the slot)
     const SliceWalk walk(args, fp.lists, qb);
-    // Per slice: the two rows' key intervals and the key tiles needing no per-cell mask.
-    auto start_slice = [&]() {
-      RowInterval(st.s, row, &lo[0], &hi[0]);
-      RowInterval(st.s, row + 8, &lo[1], &hi[1]);
-      interior = InteriorKeyTiles(st.s, wr0, WM, BN);
-    };
+    // Per group of slices (FwdStep): the two rows' key intervals and the key tiles needing no per-cell mask.
+    auto start_slice = [&]() { GroupRowMasks(walk, args, st, wr0, WM, BN, row, lo, hi, &interior); };
     // O += P(j) V(j) from the stage `at`, issued (not waited; V waited for by the caller).
     auto issue_pv = [&](const PipeState<kStages>& at) {
       const uint32_t dv = desc_v + ((at.stage * Tile::kKvBytes) >> 4);

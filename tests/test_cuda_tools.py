@@ -12,7 +12,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda" / "t
 from power_probe import parse_samples, summarize  # noqa: E402
 from sass_samples import instruction_class, summary  # noqa: E402
 from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
-from tile_waste import computed_cells, masked_wg_steps  # noqa: E402
+from tile_waste import computed_cells, masked_wg_steps, walk_cells  # noqa: E402
 
 from magi_jax import masks  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
@@ -76,6 +76,13 @@ def test_tile_waste_counts_the_walks_cells():
     assert two.area() == 128 * 128
     assert computed_cells(two, 128, halves=False, union=False) == 2 * 128 * 128
     assert computed_cells(two, 128, halves=False, union=True) == 128 * 128
+    # The kernel's walk groups them (rows disjoint and ascending, same keys), not slices sharing rows.
+    assert walk_cells(two) == 128 * 128
+    shared_rows = AttnMask([[0, 128], [0, 128]], [[0, 64], [64, 128]], ["full", "full"], 128, 128)
+    assert walk_cells(shared_rows) == 2 * 128 * 128
+    # Nor slices whose rows come in the other order in the list.
+    reversed_rows = AttnMask([[64, 128], [0, 64]], [[0, 128], [0, 128]], ["full", "full"], 128, 128)
+    assert walk_cells(reversed_rows) == 2 * 128 * 128
     # Keys 64-192: the walk's one tile starts at the span (128 keys); the union's aligned grid needs two.
     shifted = AttnMask([[0, 128]], [[64, 192]], ["full"], 128, 192)
     assert computed_cells(shifted, 128, halves=False, union=False) == 128 * 128

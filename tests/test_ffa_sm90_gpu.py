@@ -124,6 +124,36 @@ def test_persistent_grid_many_tiles_varlen_causal(sched, monkeypatch):
     run_case(mask, hq=16, hkv=4, d=128, grads=False, seed=11)
 
 
+# Slices that a q block walks as one group (scheduler_sm90.h FwdStepFrom: consecutive in its list, rows
+# disjoint and ascending, key spans less than a tile apart: one walk over their union) and slices it must not
+# group, per q block of 128 rows: [0] one group whose first warpgroup's rows lie in both slices, with
+# different key ends (its interior tiles are the intersection); [1] a 50-key gap (grouped) and a 400-key one
+# (a group of its own); [2] rows overlapping (two groups: the shared rows take both slices' keys); [3] rows
+# out of order in the list; [4] a slice without keys in the block (rows 600-639 attend nothing there: it
+# ends the group); [5] the rest of that slice; [6] its last rows with a slice inside its keys (grouped), then
+# three documents (one group of three).
+GROUP_SLICES = [
+    (0, 32, 0, 256, "full"), (32, 128, 0, 512, "full"),
+    (128, 168, 0, 100, "full"), (168, 218, 150, 300, "full"), (218, 256, 700, 800, "full"),
+    (256, 320, 300, 400, "causal"), (288, 384, 400, 520, "full"),
+    (448, 512, 0, 128, "full"), (384, 448, 128, 256, "bi_causal"),
+    (512, 600, 600, 700, "inv_causal"), (600, 800, 0, 100, "causal"), (800, 830, 40, 90, "full"),
+    (830, 850, 830, 850, "causal"), (850, 870, 850, 870, "causal"), (870, 896, 870, 896, "causal"),
+]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("capacity", [None, "0"])
+def test_forward_walks_groups_of_slices(d, capacity, monkeypatch):
+    # Against the float64 reference, from the block lists and by the scan (capacity 0), at each head dim's
+    # key tile (128; 80 at D 256); the families of tests/test_ffa_gpu.py (sliding windows, block causal,
+    # shared question) group too.
+    if capacity is not None:
+        monkeypatch.setenv("MAGI_JAX_CUDA_LIST_CAPACITY", capacity)
+    q, k, types = zip(*[((a, b), (c, e), t) for a, b, c, e, t in GROUP_SLICES])
+    run_case(AttnMask(list(q), list(k), list(types), 896, 896), hq=4, hkv=2, d=d, grads=False, seed=d)
+
+
 @pytest.mark.parametrize("sm_margin", [8, 120, 10_000])
 def test_sm_margin_gives_the_same_bits(sm_margin):
     # Fewer persistent CTAs (8 SMs left free; 12 CTAs; 1 CTA) take more tiles each; each tile's result does

@@ -1,11 +1,13 @@
 """Host model of the sm90 forward's computed cells against the unmasked area (no GPU needed): how much of the
 work the tiling itself wastes on the bench cases' masks, and how much finer walks would save.
 
-The forward computes, per q block of 128 rows and per slice of its list, the 128-key tiles of the slice's
-key span over the block's rows, counted from the span's first key (scheduler_sm90.h FwdStep: c0 = the span's
-start, then + 128), for both consumer warpgroups (64 rows each). Variants, each as computed cells / unmasked
-cells:
+The forward computes, per q block of 128 rows and per group of its list's slices (consecutive slices whose
+rows in the block are disjoint and whose key spans lie less than a tile apart: scheduler_sm90.h FwdStepFrom),
+the 128-key tiles of the group's key span over the block's rows, counted from the span's first key (c0 = the
+span's start, then + 128), for both consumer warpgroups (64 rows each). Variants, each as computed cells /
+unmasked cells:
   now          that walk;
+  slices       one walk per slice (the kernel's until 2026-12-01), on the grid from its own span's start;
   wg_tiles     each warpgroup walks the block's tiles that its own 64 rows need (skips the others);
   wg_halves    each warpgroup walks the block's tiles in 64-key halves where its span ends inside one (a
                half step: S with N = 64, PV over 64 keys);
@@ -31,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernel import make_cases  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
-from sched_sim import key_span, row_span  # noqa: E402  (its folder is on sys.path: run as a script or by the tests)
+from sched_sim import fwd_groups, key_span, row_span  # noqa: E402  (its folder is on sys.path: run as a script or by the tests)
 
 BLOCK_M, BLOCK_N, WG_M = 128, 128, 64
 
@@ -63,6 +65,13 @@ def computed_cells(mask: AttnMask, rows: int, halves: bool, union: bool) -> int:
     return cells + sum(len(s) for s in units.values()) * 64 * rows
 
 
+def walk_cells(mask: AttnMask, block_n: int = BLOCK_N) -> int:
+    """Cells the kernel's walk computes: each q block's groups (sched_sim.fwd_groups) in tiles of block_n keys
+    over all BLOCK_M rows."""
+    return sum(-(-(ke - c0) // block_n) for spans in fwd_groups(mask, block_n).values()
+               for c0, ke in spans) * block_n * BLOCK_M
+
+
 def masked_wg_steps(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> tuple[int, int]:
     """(fully masked pairs, all pairs) of the backward's walk (scheduler.h KvStep: per k block and slice, the
     row steps of block_m from the first row attending the block's keys) by its two warpgroups' key halves."""
@@ -84,15 +93,17 @@ def masked_wg_steps(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> tu
 
 def main() -> int:
     wanted = sys.argv[1:]
-    print(f"{'case':26s} {'now':>7s} {'wg_tiles':>9s} {'wg_halves':>10s} {'union':>7s} {'union_halves':>13s}")
+    print(f"{'case':26s} {'now':>7s} {'slices':>7s} {'wg_tiles':>9s} {'wg_halves':>10s} {'union':>7s} "
+          f"{'union_halves':>13s}")
     for case in make_cases():
         if wanted and case.name not in wanted:
             continue
         area = case.mask.area()
-        ratios = [computed_cells(case.mask, rows, halves, union) / area for rows, halves, union in
-                  ((BLOCK_M, False, False), (WG_M, False, False), (WG_M, True, False), (BLOCK_M, False, True),
-                   (WG_M, True, True))]
-        print(f"{case.name:26s} " + " ".join(f"{r:{w}.4f}" for r, w in zip(ratios, (7, 9, 10, 7, 13))))
+        ratios = [walk_cells(case.mask) / area] + [
+            computed_cells(case.mask, rows, halves, union) / area for rows, halves, union in
+            ((BLOCK_M, False, False), (WG_M, False, False), (WG_M, True, False), (BLOCK_M, False, True),
+             (WG_M, True, True))]
+        print(f"{case.name:26s} " + " ".join(f"{r:{w}.4f}" for r, w in zip(ratios, (7, 7, 9, 10, 7, 13))))
     print(f"\n{'case':26s} backward (warpgroup, step) pairs fully masked")
     for case in make_cases():
         if wanted and case.name not in wanted:
