@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         const SliceWalk walk(args, fp.lists, qb);  // q block 0 past the last tile: read, not walked
         FwdStep first;
         first.cur = -1;
-        if (tile < tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, BN, walk.First(args), &first);
+        if (tile < tiles) FwdStepFrom(walk, args, int64_t(qb) * BM, BM, p.group_gap, walk.First(args), &first);
         if (lane == 0) {
           MbarWait(&bars.tile_empty[slot.stage], slot.phase ^ 1);
           const int decoded = tile < tiles ? qb * fp.hq + h : p.num_tiles;
@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       const int qb = tile / fp.hq, hk = tile % fp.hq / (fp.hq / fp.hkv);
       const int64_t r0 = int64_t(qb) * BM;
       const SliceWalk walk(args, fp.lists, qb);
-      for (; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, &st)) {
+      for (; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, p.group_gap, &st)) {
         if (lane == 0) {
           MbarWait(&bars.k_empty[kv.stage], kv.phase ^ 1);
           MbarArriveExpectTx(&bars.k_full[kv.stage], Tile::kKvBytes);
@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // basic block, so this call, placed between the softmax and the wait for PV, keeps that wait behind
     // the softmax (below).
     auto next_step = [&]() -> bool {
-      if (FwdStepNext(walk, args, r0, BM, BN, &st)) {
+      if (FwdStepNext(walk, args, r0, BM, BN, p.group_gap, &st)) {
         if (st.cur < 0) return false;
         start_slice();
       }

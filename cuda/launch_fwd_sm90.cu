@@ -24,12 +24,12 @@ constexpr int kWorkWarps = 8;
 // The work of q block qb, key tiles visited plus one (scheduler_sm90.h). One warp per q block.
 template <int BN>
 __global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args, BlockLists lists, int num_blocks,
-                                                                 int32_t* work) {
+                                                                 int group_gap, int32_t* work) {
   WaitPriorGrid();  // the lists
   LaunchDependents();
   const int qb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
   if (qb >= num_blocks) return;  // whole warps leave together
-  const int w = FwdBlockWork(args, lists, qb, kQBlock, BN);
+  const int w = FwdBlockWork(args, lists, qb, kQBlock, BN, group_gap);
   if ((threadIdx.x & 31) == 0) work[qb] = w;
 }
 
@@ -52,6 +52,10 @@ int ClaimLeadFromEnv(int fallback) {
   if (env == nullptr || *env == '\0') return fallback;
   return int(std::clamp<long long>(std::atoll(env), 0, 1 << 30));
 }
+
+// MAGI_JAX_SM90_GROUPS=0, for measuring the groups of slices side by side (bench/kernel.py
+// "ffa@MAGI_JAX_SM90_GROUPS=0"): every slice walked alone, as before groups (scheduler_sm90.h FwdStepFrom).
+int GroupGapFromEnv(int tile) { return EnvEquals("MAGI_JAX_SM90_GROUPS", "0") ? kNoGroups : tile; }
 
 // Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V, all tk keys of them, fit
 // L2SectionBudget; at least one group.
@@ -104,12 +108,13 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   int32_t* work = live + 1;
   int32_t* order = work + num_blocks;
   const Sched sched = SchedFromEnv();
+  const int group_gap = GroupGapFromEnv(Tile::kBlockN);
   // The work, the order and the attention kernel, each chained to the kernel before (the lists' fill first;
   // launch.h LaunchKernel), so that no launch latency separates them; the order kernel also writes the stats,
   // live and the counter.
   if (cudaError_t err = LaunchKernel(FwdWorkKernel<Tile::kBlockN>, (num_blocks + kWorkWarps - 1) / kWorkWarps,
                                      kWorkWarps * 32, 0, stream, Follows::kOurKernel, p.slices, p.lists, num_blocks,
-                                     work);
+                                     group_gap, work);
       err != cudaSuccess)
     return err;
   if (cudaError_t err = LaunchLongestFirst(work, num_blocks, sched != Sched::kLpt, {order, stats, live, counter},
@@ -128,6 +133,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   sp.work_stats = stats;
   sp.work = work;
   sp.claim_lead = ClaimLeadFromEnv(Tile::kClaimLead);
+  sp.group_gap = group_gap;
   auto kernel = p.softcap > 0.0f ? FlashFwdSm90Kernel<T, D, true> : FlashFwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

@@ -45,7 +45,11 @@ struct FwdSm90Params {
   const unsigned long long* work_stats;
   const int32_t* work;  // [num q blocks]: each q block's work (FwdBlockWork: its steps plus one)
   int claim_lead;       // steps (FwdSm90Tile::kClaimLead)
+  int group_gap;        // FwdStepFrom's: the key tile (kBlockN), or kNoGroups (MAGI_JAX_SM90_GROUPS=0)
 };
+
+// A group_gap no two key spans are within: every slice walked alone (the walk before groups, for A/B).
+constexpr int kNoGroups = -(1 << 30);
 
 // A step is one key tile [c0, c0 + bn) of a group of slices for the rows [r0, r0 + bm) of a q block. A group
 // is a run of consecutive slices of the block's list (cursors cur .. last) whose rows in the block are
@@ -61,8 +65,9 @@ struct FwdStep {
   int c0, ke;
 };
 
-// The first group at or after slice cursor `cur`. Warp-collective (SliceWalk).
-MAGI_DEV void FwdStepFrom(const SliceWalk& walk, const SliceArgs& a, int64_t r0, int bm, int bn, int cur,
+// The first group at or after slice cursor `cur`, its slices' key spans less than `gap` keys apart (the key
+// tile; kNoGroups: none joins). Warp-collective (SliceWalk).
+MAGI_DEV void FwdStepFrom(const SliceWalk& walk, const SliceArgs& a, int64_t r0, int bm, int gap, int cur,
                           FwdStep* st) {
   for (; cur >= 0; cur = walk.Next(a, cur)) {
     const Slice s = LoadSlice(a.q_ranges, a.k_ranges, a.types, walk.SliceId(cur), a.tq, a.tk);
@@ -82,7 +87,7 @@ MAGI_DEV void FwdStepFrom(const SliceWalk& walk, const SliceArgs& a, int64_t r0,
       if (mb < rows_end || mb >= me) break;
       int64_t mkb, mke;
       KeySpan(m, mb, me, &mkb, &mke);
-      if (mkb >= mke || mkb >= ke + bn || mke <= kb - bn) break;
+      if (mkb >= mke || mkb - ke >= gap || kb - mke >= gap) break;
       st->last = n;
       rows_end = me;
       kb = mkb < kb ? mkb : kb;
@@ -96,10 +101,11 @@ MAGI_DEV void FwdStepFrom(const SliceWalk& walk, const SliceArgs& a, int64_t r0,
 }
 
 // Advances to the next step; returns true when it starts a new group (or ends the walk).
-MAGI_DEV bool FwdStepNext(const SliceWalk& walk, const SliceArgs& a, int64_t r0, int bm, int bn, FwdStep* st) {
+MAGI_DEV bool FwdStepNext(const SliceWalk& walk, const SliceArgs& a, int64_t r0, int bm, int bn, int gap,
+                          FwdStep* st) {
   st->c0 += bn;
   if (st->c0 < st->ke) return false;
-  FwdStepFrom(walk, a, r0, bm, bn, walk.Next(a, st->last), st);
+  FwdStepFrom(walk, a, r0, bm, gap, walk.Next(a, st->last), st);
   return true;
 }
 
@@ -137,13 +143,13 @@ MAGI_DEV void GroupRowMasks(const SliceWalk& walk, const SliceArgs& a, const Fwd
 }
 
 // Key tiles visited by q block qb (the same walk as the kernel), plus one. Warp-collective.
-MAGI_DEV int FwdBlockWork(const SliceArgs& a, const BlockLists& lists, int qb, int bm, int bn) {
+MAGI_DEV int FwdBlockWork(const SliceArgs& a, const BlockLists& lists, int qb, int bm, int bn, int gap) {
   const SliceWalk walk(a, lists, qb);
   const int64_t r0 = int64_t(qb) * bm;
   int work = 1;
   FwdStep st;
-  for (FwdStepFrom(walk, a, r0, bm, bn, walk.First(a), &st); st.cur >= 0;
-       FwdStepFrom(walk, a, r0, bm, bn, walk.Next(a, st.last), &st))
+  for (FwdStepFrom(walk, a, r0, bm, gap, walk.First(a), &st); st.cur >= 0;
+       FwdStepFrom(walk, a, r0, bm, gap, walk.Next(a, st.last), &st))
     work += (st.ke - st.c0 + bn - 1) / bn;
   return work;
 }
