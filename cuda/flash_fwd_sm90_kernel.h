@@ -469,12 +469,25 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // The next step; false when the walk is over. A branch (c0 += BN, compare): ptxas schedules within a
     // basic block, so this call, placed between the softmax and the wait for PV, keeps that wait behind
     // the softmax (below).
-    auto next_step = [&]() -> bool {
-      if (FwdStepNext(walk, args, r0, BM, BN, p.group_gap, &st)) {
-        if (st.cur < 0) return false;
-        start_slice();
-      }
-      return true;
+    // The next step of the walk in two parts. next_step (a branch: ptxas schedules within a basic block, so
+    // this call, placed between the softmax and the wait for PV, keeps that wait behind the softmax, below)
+    // moves to the group's next key tile, or at the group's end finds the cursor after it (kGroupEnd);
+    // next_group then takes the group from that cursor and makes its masks, after P is packed, where S's
+    // registers are free (the whole walk beside S(j)'s probabilities took the consumers to the register
+    // limit: ptxas re-read the thread index in every step, +1.4-3% cycles on walks without groups).
+    constexpr int kWalkOver = 0, kSameGroup = 1, kGroupEnd = 2;
+    int next_cur = -1;
+    auto next_step = [&]() -> int {
+      st.c0 += BN;
+      if (st.c0 < st.ke) return kSameGroup;
+      next_cur = walk.Next(args, st.last);
+      return kGroupEnd;
+    };
+    auto next_group = [&]() -> int {
+      FwdStepFrom(walk, args, r0, BM, p.group_gap, next_cur, &st);
+      if (st.cur < 0) return kWalkOver;
+      start_slice();
+      return kSameGroup;
     };
 
     // Turns: a step's S and PV are one batch (sync before S, arrive after PV); the tile's last PV and the
@@ -498,8 +511,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         PackP<T, NT>(s[0], pa);
         PipeState<kStages> prev = kv;
         kv.Advance();
-        bool more = next_step();
-        while (more) {
+        int more = next_step();
+        if (more == kGroupEnd) more = next_group();
+        while (more != kWalkOver) {
           MbarWait(&bars.k_full[kv.stage], kv.phase);
           MbarWait(&bars.v_full[prev.stage], prev.phase);
           sched_sync();
@@ -520,6 +534,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           // taken once the rows' maxima have settled).
           if (Sm90RowSoftmax::NeedsRescale(alpha)) Sm90RowSoftmax::Rescale(o, alpha);
           PackP<T, NT>(s[0], pa);
+          if (more == kGroupEnd) more = next_group();
         }
         // The last S wgmma has landed (kOInQ: the buffer is released after the epilogue's store instead).
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
@@ -574,7 +589,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         FenceRegs(o);
         release(&bars.v_empty[kv.stage]);
         kv.Advance();
-        next_step();
+        if (next_step() == kGroupEnd) next_group();
       }
       if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
     }
