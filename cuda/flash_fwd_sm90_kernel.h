@@ -1,9 +1,10 @@
 // The sm90 forward: TMA loads into a shared-memory ring completed on mbarriers, wgmma on two consumer
 // warpgroups, two producer warps (setmaxnreg), a persistent grid taking (q block, head) tiles longest-first.
 //
-// The walk is the mma.sync forward's (flash_fwd_kernel.h): per tile, every slice of the q block's list in
-// ascending id, per slice the key tiles its rows attend, ONE online softmax across all of them. Producers
-// and consumers walk the same steps (scheduler_sm90.h, FwdStep) and meet on the ring's barriers:
+// The walk: per tile, the slices of the q block's list in ascending id, in groups (consecutive slices with
+// disjoint rows and key spans less than a tile apart, walked once over the union of their keys; a slice alone
+// otherwise), per group the key tiles its rows attend, ONE online softmax across all of them. Producers and
+// consumers walk the same steps (scheduler_sm90.h, FwdStep) and meet on the ring's barriers:
 //   tile warp:      for each tile: its record -> tile_full[tile % 2], its Q -> q_full[tile % 2], during the
 //                   tile before (Q is double-buffered), taken claim_lead steps before that tile's end
 //                   (claim_next; at its start when it is that short).

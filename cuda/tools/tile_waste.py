@@ -68,8 +68,8 @@ def computed_cells(mask: AttnMask, rows: int, halves: bool, union: bool) -> int:
 def walk_cells(mask: AttnMask, block_n: int = BLOCK_N) -> int:
     """Cells the kernel's walk computes: each q block's groups (sched_sim.fwd_groups) in tiles of block_n keys
     over all BLOCK_M rows."""
-    return sum(-(-(ke - c0) // block_n) for spans in fwd_groups(mask, block_n).values()
-               for c0, ke in spans) * block_n * BLOCK_M
+    return int(sum(-(-(ke - c0) // block_n) for spans in fwd_groups(mask, block_n).values()
+                   for c0, ke in spans)) * block_n * BLOCK_M
 
 
 def masked_wg_steps(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> tuple[int, int]:
