@@ -121,7 +121,9 @@ MAGI_DEV void GroupRowMasks(const SliceWalk& walk, const SliceArgs& a, const Fwd
     *interior = InteriorKeyTiles(st.s, wr0, wm, bn);
     return;
   }
-  int64_t in_lo = INT64_MIN, in_hi = INT64_MAX, covered = 0;
+  // The tiles interior for every slice's own rows of the warpgroup, if the slices hold all of its rows.
+  TileRange in{INT_MIN, INT_MAX};
+  int covered = 0;
   for (int c = st.cur;; c = walk.Next(a, c)) {
     const Slice m = c == st.cur ? st.s : LoadSlice(a.q_ranges, a.k_ranges, a.types, walk.SliceId(c), a.tq, a.tk);
     if (c != st.cur) {
@@ -130,16 +132,14 @@ MAGI_DEV void GroupRowMasks(const SliceWalk& walk, const SliceArgs& a, const Fwd
     }
     const int64_t rb = m.qs > wr0 ? m.qs : wr0, re = m.qe < wr0 + wm ? m.qe : wr0 + wm;
     if (rb < re) {
-      int64_t lo_last, hi_first, unused;
-      RowKeys(m, re - 1, &lo_last, &unused);
-      RowKeys(m, rb, &unused, &hi_first);
-      covered += re - rb;
-      in_lo = lo_last > in_lo ? lo_last : in_lo;
-      in_hi = hi_first - bn < in_hi ? hi_first - bn : in_hi;
+      const TileRange own = InteriorKeyTiles(m, rb, int(re - rb), bn);
+      covered += int(re - rb);
+      in.lo = own.lo > in.lo ? own.lo : in.lo;
+      in.hi = own.hi < in.hi ? own.hi : in.hi;
     }
     if (c == st.last) break;
   }
-  *interior = covered == wm ? TileRange{int(in_lo), int(in_hi)} : TileRange{1, 0};
+  *interior = covered == wm ? in : TileRange{1, 0};
 }
 
 // Key tiles visited by q block qb (the same walk as the kernel), plus one. Warp-collective.
