@@ -3,7 +3,8 @@
 # building blocks (TMA + swizzle + descriptors + wgmma + TMA store, no JAX), the smoke tests under a hard
 # timeout (a barrier bug hangs instead of failing; its log says so), the GPU tests, then the kernel benchmark.
 # Logs and JSON go to $OUT.
-# Tests: tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py (the default sm90 kernels); MMA=1 adds
+# Tests: tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py (the default sm90 kernels) and
+# tests/test_range_ops_gpu.py (the transfers' packing kernels); MMA=1 adds
 # tests/test_ffa_mma_gpu.py (the same suite on the mma.sync kernels). QUICK=1: only a subset (what is
 # particular to sm90, each mask type, GQA, softcap, both dtypes, head dim 256 by mask type, the two key
 # sources, the chained dQ, sm_margin, L2 sections, the merged forward), tests 240 s, bench 170 s.
@@ -16,7 +17,7 @@
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
-TEST_FILES=${TEST_FILES:-"tests/test_ffa_sm90_gpu.py tests/test_ffa_gpu.py$([ "${MMA:-0}" = 1 ] && echo ' tests/test_ffa_mma_gpu.py')"}
+TEST_FILES=${TEST_FILES:-"tests/test_ffa_sm90_gpu.py tests/test_ffa_gpu.py tests/test_range_ops_gpu.py$([ "${MMA:-0}" = 1 ] && echo ' tests/test_ffa_mma_gpu.py')"}
 BENCH_ARGS=${BENCH_ARGS:---impls ffa ffa_mma cudnn}
 TEST_TIMEOUT=${TEST_TIMEOUT:-360}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-480}  # bench/kernel.py times 3 rounds
