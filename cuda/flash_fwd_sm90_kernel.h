@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     MbarArrive(&bars.tile_empty[slot]);  // after the record is read (the arrive releases the slot)
     const SliceWalk walk(args, fp.lists, qb);
     // Per group of slices (FwdStep): the two rows' key intervals and the key tiles needing no per-cell mask.
-    auto start_slice = [&]() { GroupRowMasks(walk, args, st, wr0, WM, BN, row, lo, hi, &interior); };
+    auto start_group = [&]() { GroupRowMasks(walk, args, st, wr0, WM, BN, row, lo, hi, &interior); };
     // O += P(j) V(j) from the stage `at`, issued (not waited; V waited for by the caller).
     auto issue_pv = [&](const PipeState<kStages>& at) {
       const uint32_t dv = desc_v + ((at.stage * Tile::kKvBytes) >> 4);
@@ -467,9 +467,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     auto release = [&](uint64_t* bar) {
       if (wtid == 0) MbarArrive(bar);
     };
-    // The next step; false when the walk is over. A branch (c0 += BN, compare): ptxas schedules within a
-    // basic block, so this call, placed between the softmax and the wait for PV, keeps that wait behind
-    // the softmax (below).
     // The next step of the walk in two parts. next_step (a branch: ptxas schedules within a basic block, so
     // this call, placed between the softmax and the wait for PV, keeps that wait behind the softmax, below)
     // moves to the group's next key tile, or at the group's end finds the cursor after it (kGroupEnd);
@@ -487,7 +484,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     auto next_group = [&]() -> int {
       FwdStepFrom(walk, args, r0, BM, p.group_gap, next_cur, &st);
       if (st.cur < 0) return kWalkOver;
-      start_slice();
+      start_group();
       return kSameGroup;
     };
 
@@ -505,7 +502,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     // skipped, and the turn holds only the two issues.
     if constexpr (Tile::kIntraWgOverlap) {
       if (st.cur >= 0) {
-        start_slice();
+        start_group();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
         softmax_s(alpha);  // alpha 1: O is still zero
@@ -570,7 +567,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         tile = next_tile();
         continue;
       }
-      if (st.cur >= 0) start_slice();
+      if (st.cur >= 0) start_group();
       while (st.cur >= 0) {
         MbarWait(&bars.k_full[kv.stage], kv.phase);
         sched_sync();
