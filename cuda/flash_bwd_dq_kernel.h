@@ -69,7 +69,8 @@ __global__ void __launch_bounds__(BwdQTile<D>::kThreads, 1) FlashBwdDqKernel(Bwd
   const SliceWalk walk(p.slices, p.q_lists, qb);
   for (int cur = walk.First(p.slices); cur >= 0; cur = walk.Next(p.slices, cur)) {
     const Slice s = LoadSlice(p.slices.q_ranges, p.slices.k_ranges, p.slices.types, walk.SliceId(cur), tq, tk);
-    const int64_t rb = s.qs > r0 ? s.qs : r0, re = s.qe < r0 + BM ? s.qe : r0 + BM;
+    int64_t rb, re;
+    RowsIn(s, r0, BM, &rb, &re);
     if (rb >= re) continue;
     int64_t kb, ke;
     KeySpan(s, rb, re, &kb, &ke);

@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 2) FlashFwdKernel(FwdPar
   const SliceWalk walk(p.slices, p.lists, qb);
   for (int cur = walk.First(p.slices); cur >= 0; cur = walk.Next(p.slices, cur)) {
     const Slice s = LoadSlice(p.slices.q_ranges, p.slices.k_ranges, p.slices.types, walk.SliceId(cur), tq, tk);
-    const int64_t rb = s.qs > r0 ? s.qs : r0, re = s.qe < r0 + BM ? s.qe : r0 + BM;
+    int64_t rb, re;
+    RowsIn(s, r0, BM, &rb, &re);
     if (rb >= re) continue;
     int kb, ke;
     {

@@ -36,6 +36,12 @@ MAGI_DEV void KeyInterval(const Slice& s, int64_t c, int* lo, int* hi) {
   *hi = int(b);
 }
 
+// The slice's rows among [r0, r0 + m): [*rb, *re), empty when rb >= re.
+MAGI_DEV void RowsIn(const Slice& s, int64_t r0, int m, int64_t* rb, int64_t* re) {
+  *rb = s.qs > r0 ? s.qs : r0;
+  *re = s.qe < r0 + m ? s.qe : r0 + m;
+}
+
 // Keys [*kb, *ke) attended by some row of [rb, re) (bounds are monotone in the row).
 MAGI_DEV void KeySpan(const Slice& s, int64_t rb, int64_t re, int64_t* kb, int64_t* ke) {
   int64_t unused;

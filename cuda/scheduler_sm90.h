@@ -71,7 +71,8 @@ MAGI_DEV void FwdStepFrom(const SliceWalk& walk, const SliceArgs& a, int64_t r0,
                           FwdStep* st) {
   for (; cur >= 0; cur = walk.Next(a, cur)) {
     const Slice s = LoadSlice(a.q_ranges, a.k_ranges, a.types, walk.SliceId(cur), a.tq, a.tk);
-    const int64_t rb = s.qs > r0 ? s.qs : r0, re = s.qe < r0 + bm ? s.qe : r0 + bm;
+    int64_t rb, re;
+    RowsIn(s, r0, bm, &rb, &re);
     if (rb >= re) continue;
     int64_t kb, ke;
     KeySpan(s, rb, re, &kb, &ke);
@@ -83,7 +84,8 @@ MAGI_DEV void FwdStepFrom(const SliceWalk& walk, const SliceArgs& a, int64_t r0,
     int64_t rows_end = re;
     for (int n = walk.Next(a, cur); n >= 0; n = walk.Next(a, n)) {
       const Slice m = LoadSlice(a.q_ranges, a.k_ranges, a.types, walk.SliceId(n), a.tq, a.tk);
-      const int64_t mb = m.qs > r0 ? m.qs : r0, me = m.qe < r0 + bm ? m.qe : r0 + bm;
+      int64_t mb, me;
+      RowsIn(m, r0, bm, &mb, &me);
       if (mb < rows_end || mb >= me) break;
       int64_t mkb, mke;
       KeySpan(m, mb, me, &mkb, &mke);
@@ -130,7 +132,8 @@ MAGI_DEV void GroupRowMasks(const SliceWalk& walk, const SliceArgs& a, const Fwd
       if (row >= m.qs && row < m.qe) RowInterval(m, row, &lo[0], &hi[0]);
       if (row + 8 >= m.qs && row + 8 < m.qe) RowInterval(m, row + 8, &lo[1], &hi[1]);
     }
-    const int64_t rb = m.qs > wr0 ? m.qs : wr0, re = m.qe < wr0 + wm ? m.qe : wr0 + wm;
+    int64_t rb, re;
+    RowsIn(m, wr0, wm, &rb, &re);
     if (rb < re) {
       const TileRange own = InteriorKeyTiles(m, rb, int(re - rb), bn);
       covered += int(re - rb);
