@@ -46,6 +46,10 @@ namespace magi_jax::cuda {
 // the magnitude, and 2^8 is far from fp16's limit), and O and the row sum need no rescale (alpha 1). Once a
 // row's max has settled, a few steps into a walk, O is no longer rescaled at all (NeedsRescale).
 constexpr float kRescaleSlack = 8.0f;
+// The bound on a thread's sum over a row's cells of one step under which the step keeps the rows' maxima
+// without computing its own (Sm90RowSoftmax::ExpKeepingMax): every probability is then at most 2^14, within
+// fp16's range as P.
+constexpr float kKeptMaxSum = 16384.0f;
 
 struct Sm90RowSoftmax {
   float m[2], l[2];
@@ -105,6 +109,37 @@ struct Sm90RowSoftmax {
     }
   }
 
+  // s -> probabilities against the rows' current maxima, without this step's row max: that max (a 6-deep
+  // FMNMX tree and two shuffle rounds) is what stands between S landing and the first exponential, ~13% of a
+  // consumer warp's time in the causal 32k profile. Returns whether that holds for this thread: each of its
+  // row sums (sum, not yet added) at most kKeptMaxSum, which bounds every probability (p >= 0), and each row
+  // with keys in this step (has_keys) has a max already (the usual case once the rows' maxima have settled).
+  // Rows with no keys yet nor here pass with nothing added (base 0: their cells are -inf). Otherwise the
+  // caller recomputes S and runs Update.
+  template <int NT>
+  MAGI_DEV bool ExpKeepingMax(float (&s)[NT][4], float scale_log2, const bool (&has_keys)[2], float (&sum)[2]) const {
+    float base[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      base[half] = m[half] == -INFINITY ? 0.0f : m[half] * scale_log2;
+      sum[half] = 0.0f;
+    }
+#pragma unroll
+    for (int ni = 0; ni < NT; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[ni][e] = Exp2(s[ni][e] * scale_log2 - base[e >> 1]);
+        sum[e >> 1] += s[ni][e];
+      }
+    // Predicates, not branches (&, not &&).
+    return (sum[0] <= kKeptMaxSum) & (sum[1] <= kKeptMaxSum) & ((m[0] != -INFINITY) | !has_keys[0]) &
+           ((m[1] != -INFINITY) | !has_keys[1]);
+  }
+  MAGI_DEV void AddSums(const float (&sum)[2]) {
+    l[0] += sum[0];
+    l[1] += sum[1];
+  }
+
   // Whether any row of the warp takes a factor other than 1 (warp-uniform: the caller branches on it with no
   // wgmma in flight).
   MAGI_DEV static bool NeedsRescale(const float (&alpha)[2]) {
@@ -141,6 +176,8 @@ struct Sm90RowSoftmax {
 // kSchedBarrier + cw its turn to issue wgmmas (256 threads: its own 128 sync, the other's 128 arrive).
 constexpr int kEpilogueBarrier = 1;
 constexpr int kSchedBarrier = 3;
+// kKeptMaxBarrier + cw: consumer warpgroup cw's vote on keeping the rows' maxima (128 threads).
+constexpr int kKeptMaxBarrier = 5;
 // The inter-warpgroup ping-pong on (false: both warpgroups issue freely, the behaviour before it; a one-line
 // switch to tell a ping-pong problem, hang or slowdown, from anything else).
 constexpr bool kPingPong = true;
@@ -393,8 +430,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   // a TMA. Recomputed at each step (OpaqueZero): held across the loop, the 64-bit descriptors take 14
   // registers.
   float s[1][NT][4];
-  auto issue_s = [&](uint32_t desc_q) {
-    const uint32_t dk = desc_k + ((kv.stage * Tile::kKvBytes) >> 4);
+  auto issue_s_at = [&](uint32_t desc_q, int stage) {
+    const uint32_t dk = desc_k + ((stage * Tile::kKvBytes) >> 4);
     const uint32_t dq = desc_q + OpaqueZero();
     WgmmaFence();
     Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc(dq), desc(dk));
@@ -405,6 +442,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     }
     WgmmaCommit();
   };
+  auto issue_s = [&](uint32_t desc_q) { issue_s_at(desc_q, kv.stage); };
 
   if (cw == 1) sched_arrive();  // warpgroup 0's first turn
   int tile = next_tile();
@@ -458,11 +496,37 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       WgmmaCommit();
     };
     // The softmax of S(j): softcap, mask, update; alpha rescales O before the next PV.
-    auto softmax_s = [&](float (&alpha)[2]) {
+    auto softmax_s = [&](float (&alpha)[2], int c0) {
       FenceRegs(s[0]);
       if constexpr (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
-      if (!interior.Contains(st.c0)) MaskRowsWarp<1, NT>(s, lo, hi, st.c0, t);
+      if (!interior.Contains(c0)) MaskRowsWarp<1, NT>(s, lo, hi, c0, t);
       softmax.Update(s[0], scale_log2, alpha);
+    };
+    // The mainloop's pass over S(j): softcap, mask, then (full false) the exponentials against the rows'
+    // current maxima, returning whether the whole warpgroup may keep them (a warp alone cannot take the other
+    // path: it issues a wgmma), or (full true) the full update. When false, the caller computes S(j) again
+    // (its K is still in its stage) and makes the full pass: rare once the rows' maxima have settled. One
+    // pass for both, so that the mask's code is not repeated.
+    auto softmax_pass = [&](bool full, int c0, float (&alpha)[2]) -> bool {
+      FenceRegs(s[0]);
+      if constexpr (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
+      bool has_keys[2] = {true, true};
+      if (!interior.Contains(c0)) {
+        MaskRowsWarp<1, NT>(s, lo, hi, c0, t);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) has_keys[r] = lo[r] < hi[r] && lo[r] < c0 + BN && hi[r] > c0;
+      }
+      if (full) {
+        softmax.Update(s[0], scale_log2, alpha);
+        return true;
+      }
+      float sum[2];
+      const bool ok = softmax.ExpKeepingMax(s[0], scale_log2, has_keys, sum);
+      // The vote's answer is the same on every thread; __all_sync lets ptxas see that it is warp-uniform (else the
+      // branch on it counts as divergent, and the wgmma descriptors leave the uniform registers: R2UR per wgmma).
+      if (!__all_sync(0xffffffffu, NamedBarrierAll(kKeptMaxBarrier + cw, 128, ok))) return false;
+      softmax.AddSums(sum);
+      return true;
     };
     auto release = [&](uint64_t* bar) {
       if (wtid == 0) MbarArrive(bar);
@@ -505,7 +569,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         start_group();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
-        softmax_s(alpha);  // alpha 1: O is still zero
+        softmax_s(alpha, st.c0);  // alpha 1: O is still zero
         PackP<T, NT>(s[0], pa);
         PipeState<kStages> prev = kv;
         kv.Advance();
@@ -519,8 +583,12 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           issue_pv(prev);
           sched_arrive();
           WgmmaWait<1>();  // S(j) has landed
+          alpha[0] = alpha[1] = 1.0f;
+          for (bool full = false; !softmax_pass(full, st.c0, alpha); full = true) {
+            issue_s(desc_q_of());  // S(j) again
+            WgmmaWait<0>();
+          }
           release(&bars.k_empty[kv.stage]);
-          softmax_s(alpha);
           const PipeState<kStages> done = prev;
           prev = kv;
           kv.Advance();
@@ -576,7 +644,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         WgmmaWait<0>();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
-        softmax_s(alpha);
+        softmax_s(alpha, st.c0);
         if (Sm90RowSoftmax::NeedsRescale(alpha)) Sm90RowSoftmax::Rescale(o, alpha);
         PackP<T, NT>(s[0], pa);
         MbarWait(&bars.v_full[kv.stage], kv.phase);

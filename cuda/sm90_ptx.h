@@ -139,6 +139,18 @@ MAGI_DEV void NamedBarrierArrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Whether `pred` holds on every one of the `threads` threads that arrive at barrier `id` (bar.red.and: a
+// named barrier that also reduces), the same answer on all of them.
+MAGI_DEV bool NamedBarrierAll(int id, int threads, bool pred) {
+  uint32_t all;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(all)
+      : "r"(uint32_t(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return all != 0;
+}
+
 template <int kRegs>
 MAGI_DEV void SetMaxRegsInc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));

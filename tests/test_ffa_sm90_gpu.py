@@ -84,16 +84,19 @@ def test_smoke_head_dim_256_backward():
 
 
 @pytest.mark.parametrize("mask_type", ["full", "causal", "inv_causal"])
-@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_forward_rows_whose_max_climbs_along_the_keys(mask_type, d):
     # The forward keeps a row's max while it grows by at most kRescaleSlack (8, log2 units) and rescales O only
-    # when it grows by more (flash_fwd_sm90_kernel.h, Sm90RowSoftmax). Logits that climb along the keys, by
-    # 0, 3, 7 or 20 log2 units per 128 keys in a random order, take both paths at every row; the three types
-    # walk the keys against the climb, with it, and from the diagonal. Checked with the gradients too.
+    # when it grows by more (flash_fwd_sm90_kernel.h, Sm90RowSoftmax); at D 64 / 128 its mainloop first tries
+    # each step against the kept maxima without computing the step's own (ExpKeepingMax, taken while a
+    # thread's row sum stays within 2^14) and computes S again where that fails. Logits that climb along the
+    # keys, by 0, 3, 7, 20 or 150 log2 units per 128 keys in a random order, take every path at every row
+    # (150: probabilities past fp32's range against the kept max); the three types walk the keys against the
+    # climb, with it, and from the diagonal. Checked with the gradients too.
     t, h = 2048, 2
     rng = np.random.default_rng(d)
     a, scale_log2 = 4.0, d ** -0.5 / np.log(2)  # q's first coordinate, the softmax scale in log2 units
-    rises = rng.choice([0.0, 3.0, 7.0, 20.0], size=t // 128)  # per 128 keys, linear within them
+    rises = rng.choice([0.0, 3.0, 7.0, 20.0, 150.0], size=t // 128)  # per 128 keys, linear within them
     climb = np.concatenate([r0 + r * np.arange(128) / 128 for r0, r in zip(np.cumsum(rises) - rises, rises)])
     q, k, v = (np.array(x, np.float32) for x in random_qkv(rng, t, t, h, h, d))
     q[:, :, 0] = a
