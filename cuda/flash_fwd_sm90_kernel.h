@@ -112,10 +112,12 @@ struct Sm90RowSoftmax {
   // s -> probabilities against the rows' current maxima, without this step's row max: that max (a 6-deep
   // FMNMX tree and two shuffle rounds) is what stands between S landing and the first exponential, ~13% of a
   // consumer warp's time in the causal 32k profile. Returns whether that holds for this thread: each of its
-  // row sums (sum, not yet added) at most kKeptMaxSum, which bounds every probability (p >= 0), and each row
-  // with keys in this step (has_keys) has a max already (the usual case once the rows' maxima have settled).
-  // Rows with no keys yet nor here pass with nothing added (base 0: their cells are -inf). Otherwise the
-  // caller recomputes S and runs Update.
+  // row sums (sum, not yet added) at most kKeptMaxSum, which bounds every probability (p >= 0). A row without
+  // a max yet (m -inf) is taken against 0 when it has keys here and this thread's sum is at least 1: its
+  // largest probability is then at least 1 / (2 NT), so 0 can stand as its max (Keep sets it), at most
+  // log2(2 NT) above the true one: P keeps its precision (the first keys of a window's last rows, in most of
+  // its tiles' second steps, no longer fall back). Rows with no keys yet nor here pass with nothing added
+  // (cells -inf). Otherwise the caller recomputes S and runs Update.
   template <int NT>
   MAGI_DEV bool ExpKeepingMax(float (&s)[NT][4], float scale_log2, const bool (&has_keys)[2], float (&sum)[2]) const {
     float base[2];
@@ -132,12 +134,18 @@ struct Sm90RowSoftmax {
         sum[e >> 1] += s[ni][e];
       }
     // Predicates, not branches (&, not &&).
-    return (sum[0] <= kKeptMaxSum) & (sum[1] <= kKeptMaxSum) & ((m[0] != -INFINITY) | !has_keys[0]) &
-           ((m[1] != -INFINITY) | !has_keys[1]);
+    return (sum[0] <= kKeptMaxSum) & (sum[1] <= kKeptMaxSum) &
+           ((m[0] != -INFINITY) | !has_keys[0] | (sum[0] >= 1.0f)) &
+           ((m[1] != -INFINITY) | !has_keys[1] | (sum[1] >= 1.0f));
   }
-  MAGI_DEV void AddSums(const float (&sum)[2]) {
-    l[0] += sum[0];
-    l[1] += sum[1];
+  // After a step that ExpKeepingMax took for the whole warpgroup: the sums added, 0 the max of rows that had
+  // their first keys in it (the same on the row's four threads: has_keys is the row's).
+  MAGI_DEV void Keep(const float (&sum)[2], const bool (&has_keys)[2]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      l[half] += sum[half];
+      if (m[half] == -INFINITY && has_keys[half]) m[half] = 0.0f;
+    }
   }
 
   // Whether any row of the warp takes a factor other than 1 (warp-uniform: the caller branches on it with no
@@ -525,11 +533,19 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       // The vote's answer is the same on every thread; __all_sync lets ptxas see that it is warp-uniform (else the
       // branch on it counts as divergent, and the wgmma descriptors leave the uniform registers: R2UR per wgmma).
       if (!__all_sync(0xffffffffu, NamedBarrierAll(kKeptMaxBarrier + cw, 128, ok))) return false;
-      softmax.AddSums(sum);
+      softmax.Keep(sum, has_keys);
       return true;
     };
+    // One arrival per warpgroup. At D 64 / 128 by an elected lane of its first warp: `warp` is warp-uniform (a
+    // shuffle's result), so the choice needs no thread index (with wtid == 0 ptxas re-read it by S2R for each
+    // release in the mainloop, whose registers are full, and waited on it between the vote and the next step:
+    // -0.3..-0.8% forward cycles). At D 256 the elected lane measured +1.1%: thread 0 there.
     auto release = [&](uint64_t* bar) {
-      if (wtid == 0) MbarArrive(bar);
+      if constexpr (Tile::kIntraWgOverlap) {
+        if ((warp & 3) == 0 && ElectOne()) MbarArrive(bar);
+      } else if (wtid == 0) {
+        MbarArrive(bar);
+      }
     };
     // The next step of the walk in two parts. next_step (a branch: ptxas schedules within a basic block, so
     // this call, placed between the softmax and the wait for PV, keeps that wait behind the softmax, below)

@@ -130,6 +130,14 @@ MAGI_DEV uint32_t OpaqueZero() {
   return z;
 }
 
+// Whether this thread is the one lane that elect.sync picks in its warp (all 32 lanes must call): a choice
+// of thread that needs no thread index, so none is re-read (S2R) where registers are short.
+MAGI_DEV bool ElectOne() {
+  uint32_t elected;
+  asm volatile("{\n .reg .pred p;\n elect.sync _|p, 0xffffffff;\n selp.u32 %0, 1, 0, p;\n}\n" : "=r"(elected));
+  return elected != 0;
+}
+
 MAGI_DEV void NamedBarrierSync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }

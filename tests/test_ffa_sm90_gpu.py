@@ -107,6 +107,26 @@ def test_forward_rows_whose_max_climbs_along_the_keys(mask_type, d):
     check_against_reference(fn, mask, q, k, v, rng)
 
 
+@pytest.mark.parametrize("offset", [-60.0, 30.0])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_rows_whose_first_keys_come_in_a_later_step(offset, dtype, d):
+    # A row with no max yet takes its first keys in a mainloop step against 0 (ExpKeepingMax) only where each of
+    # its threads' sums lies in [1, 2^14]. Windows over documents that start inside key tiles give rows whose
+    # first keys come in a later step; logits all `offset` log2 units from 0 must then take the full update:
+    # -60 underflows fp16's P against 0 (a wrong path gives a zero row sum), +30 overflows it.
+    t, h = 2048, 2
+    rng = np.random.default_rng(d)
+    a, scale_log2 = 4.0, d ** -0.5 / np.log(2)
+    q, k, v = (np.array(x, np.float32) for x in random_qkv(rng, t, t, h, h, d))
+    q[:, :, 0] = a
+    k[:, :, 0] = offset / (a * scale_log2)
+    q, k, v = (jnp.asarray(x).astype(dtype) for x in (q, k, v))
+    mask = masks.sliding_window([300, 700, 1048], 200, causal=False)
+    fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask))
+    check_against_reference(fn, mask, q, k, v, rng)
+
+
 @pytest.mark.parametrize("sched", ["lpt", "natural", "grid"])
 def test_head_dim_256_persistent_grid(sched, monkeypatch):
     # 6000 tokens x 8 heads = 376 tiles over ~132 CTAs: later tiles reuse the Q buffer that stages O at D 256
