@@ -438,8 +438,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   // a TMA. Recomputed at each step (OpaqueZero): held across the loop, the 64-bit descriptors take 14
   // registers.
   float s[1][NT][4];
-  auto issue_s_at = [&](uint32_t desc_q, int stage) {
-    const uint32_t dk = desc_k + ((stage * Tile::kKvBytes) >> 4);
+  auto issue_s = [&](uint32_t desc_q) {
+    const uint32_t dk = desc_k + ((kv.stage * Tile::kKvBytes) >> 4);
     const uint32_t dq = desc_q + OpaqueZero();
     WgmmaFence();
     Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc(dq), desc(dk));
@@ -450,7 +450,6 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     }
     WgmmaCommit();
   };
-  auto issue_s = [&](uint32_t desc_q) { issue_s_at(desc_q, kv.stage); };
 
   if (cw == 1) sched_arrive();  // warpgroup 0's first turn
   int tile = next_tile();
@@ -503,19 +502,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       for (int kk = 0; kk < NT / 2; ++kk) Wgmma<T, D>::template RS<1>(o, pa[kk], desc(dv + ((kk * 2048) >> 4)), 1);
       WgmmaCommit();
     };
-    // The softmax of S(j): softcap, mask, update; alpha rescales O before the next PV.
-    auto softmax_s = [&](float (&alpha)[2], int c0) {
-      FenceRegs(s[0]);
-      if constexpr (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
-      if (!interior.Contains(c0)) MaskRowsWarp<1, NT>(s, lo, hi, c0, t);
-      softmax.Update(s[0], scale_log2, alpha);
-    };
-    // The mainloop's pass over S(j): softcap, mask, then (full false) the exponentials against the rows'
-    // current maxima, returning whether the whole warpgroup may keep them (a warp alone cannot take the other
-    // path: it issues a wgmma), or (full true) the full update. When false, the caller computes S(j) again
-    // (its K is still in its stage) and makes the full pass: rare once the rows' maxima have settled. One
-    // pass for both, so that the mask's code is not repeated.
-    auto softmax_pass = [&](bool full, int c0, float (&alpha)[2]) -> bool {
+    // The softmax of S(j): softcap, mask, then (full true) the update, alpha the factor O takes before the next
+    // PV, or (full false: the overlapped mainloop) the exponentials against the rows' current maxima, returning
+    // whether the whole warpgroup may keep them (a warp alone cannot take the other path: it issues a wgmma;
+    // alpha untouched). When false, the caller computes S(j) again (its K is still in its stage) and makes the
+    // full pass: rare once the rows' maxima have settled. One pass for both, so that the mask's code is not
+    // repeated in the mainloop.
+    auto softmax_s = [&](bool full, float (&alpha)[2]) -> bool {
+      const int c0 = st.c0;
       FenceRegs(s[0]);
       if constexpr (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
       bool has_keys[2] = {true, true};
@@ -585,7 +579,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         start_group();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
-        softmax_s(alpha, st.c0);  // alpha 1: O is still zero
+        softmax_s(true, alpha);  // alpha 1: O is still zero
         PackP<T, NT>(s[0], pa);
         PipeState<kStages> prev = kv;
         kv.Advance();
@@ -600,7 +594,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           sched_arrive();
           WgmmaWait<1>();  // S(j) has landed
           alpha[0] = alpha[1] = 1.0f;
-          for (bool full = false; !softmax_pass(full, st.c0, alpha); full = true) {
+          for (bool full = false; !softmax_s(full, alpha); full = true) {
             issue_s(desc_q_of());  // S(j) again
             WgmmaWait<0>();
           }
@@ -660,7 +654,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         WgmmaWait<0>();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
-        softmax_s(alpha, st.c0);
+        softmax_s(true, alpha);
         if (Sm90RowSoftmax::NeedsRescale(alpha)) Sm90RowSoftmax::Rescale(o, alpha);
         PackP<T, NT>(s[0], pa);
         MbarWait(&bars.v_full[kv.stage], kv.phase);
