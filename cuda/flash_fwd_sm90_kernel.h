@@ -52,10 +52,13 @@ constexpr float kRescaleSlack = 8.0f;
 constexpr float kKeptMaxSum = 16384.0f;
 
 struct Sm90RowSoftmax {
-  float m[2], l[2];
+  // m: the rows' maxima (raw logits); b: the exponentials' base, m * scale_log2 (0 while m is -inf), kept
+  // beside m so that a step keeping the maxima does not remake it.
+  float m[2], b[2], l[2];
 
   MAGI_DEV Sm90RowSoftmax() {
     m[0] = m[1] = -INFINITY;
+    b[0] = b[1] = 0.0f;
     l[0] = l[1] = 0.0f;
   }
 
@@ -96,6 +99,7 @@ struct Sm90RowSoftmax {
       // NaN for a zero scale.
       alpha[half] = keep || m[half] == -INFINITY ? 1.0f : Exp2(m[half] * scale_log2 - base);
       m[half] = mn;
+      b[half] = base;
       float sum = 0.0f;
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
@@ -120,17 +124,12 @@ struct Sm90RowSoftmax {
   // (cells -inf). Otherwise the caller recomputes S and runs Update.
   template <int NT>
   MAGI_DEV bool ExpKeepingMax(float (&s)[NT][4], float scale_log2, const bool (&has_keys)[2], float (&sum)[2]) const {
-    float base[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      base[half] = m[half] == -INFINITY ? 0.0f : m[half] * scale_log2;
-      sum[half] = 0.0f;
-    }
+    sum[0] = sum[1] = 0.0f;
 #pragma unroll
     for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[ni][e] = Exp2(s[ni][e] * scale_log2 - base[e >> 1]);
+        s[ni][e] = Exp2(s[ni][e] * scale_log2 - b[e >> 1]);
         sum[e >> 1] += s[ni][e];
       }
     // Predicates, not branches (&, not &&).
@@ -210,6 +209,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   using Tile = FwdSm90Tile<D>;
   constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, kStages = Tile::kStages, kChunks = Tile::kChunks;
   constexpr int WM = Tile::kRowsPerWarpgroup;
+  // Arrivals that free a Q buffer or a K / V stage (release, below): each consumer warp at D 64 / 128, each
+  // warpgroup at D 256.
+  constexpr int kReleasesPerStage = Tile::kConsumerWarpgroups * (Tile::kIntraWgOverlap ? 4 : 1);
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle atoms need 1024-byte alignment; the dynamic buffer's own alignment is not promised.
   unsigned char* smem = AlignSmem1024(smem_raw);
@@ -229,13 +231,13 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   if (tid == 0) {
     for (int i = 0; i < Tile::kQStages; ++i) {
       MbarInit(&bars.q_full[i], 1);
-      MbarInit(&bars.q_empty[i], Tile::kConsumerWarpgroups);
+      MbarInit(&bars.q_empty[i], kReleasesPerStage);
     }
     for (int i = 0; i < kStages; ++i) {
       MbarInit(&bars.k_full[i], 1);
       MbarInit(&bars.v_full[i], 1);
-      MbarInit(&bars.k_empty[i], Tile::kConsumerWarpgroups);
-      MbarInit(&bars.v_empty[i], Tile::kConsumerWarpgroups);
+      MbarInit(&bars.k_empty[i], kReleasesPerStage);
+      MbarInit(&bars.v_empty[i], kReleasesPerStage);
     }
     for (int i = 0; i < 2; ++i) {
       MbarInit(&bars.tile_full[i], 1);
@@ -502,26 +504,29 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       for (int kk = 0; kk < NT / 2; ++kk) Wgmma<T, D>::template RS<1>(o, pa[kk], desc(dv + ((kk * 2048) >> 4)), 1);
       WgmmaCommit();
     };
-    // The softmax of S(j): softcap, mask, then (full true) the update, alpha the factor O takes before the next
-    // PV, or (full false: the overlapped mainloop) the exponentials against the rows' current maxima, returning
-    // whether the whole warpgroup may keep them (a warp alone cannot take the other path: it issues a wgmma;
-    // alpha untouched). When false, the caller computes S(j) again (its K is still in its stage) and makes the
-    // full pass: rare once the rows' maxima have settled. One pass for both, so that the mask's code is not
-    // repeated in the mainloop.
-    auto softmax_s = [&](bool full, float (&alpha)[2]) -> bool {
+    // The softmax of S(j) in parts: mask_s applies the softcap and the mask and says which rows have keys in
+    // the step; the full pass (softmax_full: the tile's first step, D 256) then runs the update, alpha the
+    // factor O takes before the next PV. The overlapped mainloop instead takes the exponentials against the
+    // rows' current maxima (keep_max) and keeps them if the whole warpgroup may (a warp alone cannot take the
+    // other path: it issues a wgmma); else it computes S(j) again (its K is still in its stage) and makes the
+    // full pass, rare once the rows' maxima have settled.
+    auto mask_s = [&](bool (&has_keys)[2]) {
       const int c0 = st.c0;
       FenceRegs(s[0]);
       if constexpr (softcap) ApplySoftcap(s, fp.scale, fp.softcap);
-      bool has_keys[2] = {true, true};
+      has_keys[0] = has_keys[1] = true;
       if (!interior.Contains(c0)) {
         MaskRowsWarp<1, NT>(s, lo, hi, c0, t);
 #pragma unroll
         for (int r = 0; r < 2; ++r) has_keys[r] = lo[r] < hi[r] && lo[r] < c0 + BN && hi[r] > c0;
       }
-      if (full) {
-        softmax.Update(s[0], scale_log2, alpha);
-        return true;
-      }
+    };
+    auto softmax_full = [&](float (&alpha)[2]) {
+      bool has_keys[2];
+      mask_s(has_keys);
+      softmax.Update(s[0], scale_log2, alpha);
+    };
+    auto keep_max = [&](const bool (&has_keys)[2]) -> bool {
       float sum[2];
       const bool ok = softmax.ExpKeepingMax(s[0], scale_log2, has_keys, sum);
       // The vote's answer is the same on every thread; __all_sync lets ptxas see that it is warp-uniform (else the
@@ -530,13 +535,13 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       softmax.Keep(sum, has_keys);
       return true;
     };
-    // One arrival per warpgroup. At D 64 / 128 by an elected lane of its first warp: `warp` is warp-uniform (a
-    // shuffle's result), so the choice needs no thread index (with wtid == 0 ptxas re-read it by S2R for each
-    // release in the mainloop, whose registers are full, and waited on it between the vote and the next step:
-    // -0.3..-0.8% forward cycles). At D 256 the elected lane measured +1.1%: thread 0 there.
+    // A Q buffer or K / V stage is free once every consumer is done with it (kReleasesPerStage arrivals; every
+    // consumer warp passes every release). At D 64 / 128 each warp's elected lane arrives: a predicated
+    // arrive, no branch (one arrival per warpgroup, by its first warp, cost a taken branch per release in
+    // the other three). At D 256 thread 0 of each warpgroup (an elected lane there measured +1.1%).
     auto release = [&](uint64_t* bar) {
       if constexpr (Tile::kIntraWgOverlap) {
-        if ((warp & 3) == 0 && ElectOne()) MbarArrive(bar);
+        if (ElectOne()) MbarArrive(bar);
       } else if (wtid == 0) {
         MbarArrive(bar);
       }
@@ -579,7 +584,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         start_group();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
-        softmax_s(true, alpha);  // alpha 1: O is still zero
+        softmax_full(alpha);  // alpha 1: O is still zero
         PackP<T, NT>(s[0], pa);
         PipeState<kStages> prev = kv;
         kv.Advance();
@@ -593,24 +598,44 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           issue_pv(prev);
           sched_arrive();
           WgmmaWait<1>();  // S(j) has landed
-          alpha[0] = alpha[1] = 1.0f;
-          for (bool full = false; !softmax_s(full, alpha); full = true) {
-            issue_s(desc_q_of());  // S(j) again
-            WgmmaWait<0>();
+          // The usual path: the mask, the exponentials, the vote, the rest of the step. The rare ones (S again,
+          // then the full pass through the same mask lines: mask_s once in the loop) are reached by goto, so
+          // that the usual path no longer jumps over the full update (ptxas still lays S again out right after
+          // the vote). rescale, not NeedsRescale's vote: alpha is 1 on the usual path.
+          bool full = false, rescale = false;  // rescale: O takes alpha (after a full pass only)
+        softmax_pass:
+          {
+            bool has_keys[2];
+            mask_s(has_keys);
+            if (full) goto full_update;
+            if (!keep_max(has_keys)) goto again;
           }
-          release(&bars.k_empty[kv.stage]);
-          const PipeState<kStages> done = prev;
-          prev = kv;
-          kv.Advance();
-          more = next_step();
-          WgmmaWait<0>();  // O += P(j-1) V(j-1) has landed
-          FenceRegs(o);
-          release(&bars.v_empty[done.stage]);
-          // O takes alpha(j) before PV(j): here, with nothing in flight, where a branch costs nothing (rarely
-          // taken once the rows' maxima have settled).
-          if (Sm90RowSoftmax::NeedsRescale(alpha)) Sm90RowSoftmax::Rescale(o, alpha);
-          PackP<T, NT>(s[0], pa);
-          if (more == kGroupEnd) more = next_group();
+        rest_of_step:
+          {
+            release(&bars.k_empty[kv.stage]);
+            const PipeState<kStages> done = prev;
+            prev = kv;
+            kv.Advance();
+            more = next_step();
+            WgmmaWait<0>();  // O += P(j-1) V(j-1) has landed
+            FenceRegs(o);
+            release(&bars.v_empty[done.stage]);
+            // O takes alpha(j) before PV(j): here, with nothing in flight, where a branch costs nothing (rarely
+            // taken once the rows' maxima have settled).
+            if (rescale) Sm90RowSoftmax::Rescale(o, alpha);
+            PackP<T, NT>(s[0], pa);
+            if (more == kGroupEnd) more = next_group();
+          }
+          continue;
+        again:
+          issue_s(desc_q_of());  // S(j) again
+          WgmmaWait<0>();
+          full = true;
+          goto softmax_pass;
+        full_update:
+          softmax.Update(s[0], scale_log2, alpha);
+          rescale = Sm90RowSoftmax::NeedsRescale(alpha);
+          goto rest_of_step;
         }
         // The last S wgmma has landed (kOInQ: the buffer is released after the epilogue's store instead).
         if constexpr (!Tile::kOInQ) release(&bars.q_empty[q_stage]);
@@ -654,7 +679,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         WgmmaWait<0>();
         release(&bars.k_empty[kv.stage]);
         float alpha[2];
-        softmax_s(true, alpha);
+        softmax_full(alpha);
         if (Sm90RowSoftmax::NeedsRescale(alpha)) Sm90RowSoftmax::Rescale(o, alpha);
         PackP<T, NT>(s[0], pa);
         MbarWait(&bars.v_full[kv.stage], kv.phase);

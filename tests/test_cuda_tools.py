@@ -1,5 +1,5 @@
-"""cuda/tools/sass_samples.py on a made-up Nsight Compute source page, cuda/tools/sched_sim.py's backward
-model, cuda/tools/tile_waste.py's forward walks on small masks and cuda/tools/power_probe.py on made-up
+"""cuda/tools/sass_samples.py on a made-up Nsight Compute source page, cuda/tools/sass_path.py on a made-up
+SASS listing, cuda/tools/sched_sim.py's backward model, cuda/tools/tile_waste.py's forward walks on small masks and cuda/tools/power_probe.py on made-up
 nvidia-smi samples: no GPU needed."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda" / "tools"))
 from power_probe import parse_samples, summarize  # noqa: E402
+from sass_path import kernel_listing, walk  # noqa: E402
 from sass_samples import instruction_class, summary  # noqa: E402
 from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
 from tile_waste import computed_cells, masked_wg_steps, walk_cells  # noqa: E402
@@ -115,3 +116,29 @@ def test_power_probe_averages_each_phase_per_gpu(tmp_path, capsys):
     assert "gpu0:   1980 MHz   120 W capped   0% (1)" in idle and "gpu1" not in idle
     assert "2.000 ms/call" in busy
     assert "gpu0:   1650 MHz   695 W capped  50% (2)" in busy and "gpu1:   1980 MHz   121 W capped   0% (1)" in busy
+
+
+SASS = """
+		Function : other_kernel
+        /*0000*/                   EXIT ;
+		Function : _Z4loopv
+        /*0000*/                   MOV R0, RZ ;
+        /*0010*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0020*/              @P0 BRA 0x50 ;
+        /*0030*/                   FADD R1, R1, R2 ;
+        /*0040*/                   FADD R1, R1, R3 ;
+        /*0050*/             @!P1 BRA P2, 0x10 ;
+        /*0060*/                   BRA 0x10 ;
+"""
+
+
+def test_sass_path_counts_a_loops_instructions_and_taken_branches():
+    listing = kernel_listing(SASS, "loopv")
+    assert listing[0] == (0x0, "MOV R0, RZ") and len(listing) == 7
+    skip = walk(listing, 0x10, "TT")  # over the FADDs, then back
+    assert (skip["issued"], skip["taken"], skip["closed"]) == (3, 2, True)
+    fall = walk(listing, 0x10, "NN")  # through the FADDs, then the unconditional branch back
+    assert (fall["issued"], fall["taken"], fall["closed"]) == (6, 1, True)
+    assert [b[2] for b in fall["branches"]] == ["N", "N", "T"]
+    short = walk(listing, 0x10, "N")  # decisions run out at the second predicated branch
+    assert not short["closed"] and short["branches"][-1] == (0x50, "@!P1 BRA P2, 0x10", "?")

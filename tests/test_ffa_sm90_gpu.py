@@ -147,6 +147,17 @@ def test_persistent_grid_many_tiles_varlen_causal(sched, monkeypatch):
     run_case(mask, hq=16, hkv=4, d=128, grads=False, seed=11)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_persistent_grid_many_short_walks(d):
+    # A window of 128 over 8k tokens x 16 heads: 1024 tiles of about two steps, ~8 a CTA, so the tile warp
+    # waits on each Q buffer's release (q_empty) for every tile after a CTA's second, and the K / V warp runs
+    # ahead of the consumers. A release count that did not match the arrivals (2026-12-02: every consumer warp
+    # arriving on a barrier counting warpgroups) passed every longer-walk test and hung on the bench's
+    # sliding window.
+    mask = masks.sliding_window([3000, 2500, 2692], 128)
+    run_case(mask, hq=16, hkv=4, d=d, grads=False, seed=14)
+
+
 # Slices that a q block walks as one group (scheduler_sm90.h FwdStepFrom: consecutive in its list, rows
 # disjoint and ascending, key spans less than a tile apart: one walk over their union) and slices it must not
 # group, per q block of 128 rows: [0] one group whose first warpgroup's rows lie in both slices, with

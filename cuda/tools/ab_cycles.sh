@@ -6,8 +6,9 @@
 # The clocks are left as they are (--clock-control none: the device README asks for it).
 #   bash cuda/tools/ab_cycles.sh .snap_a .snap_b "causal_32k varlen_swa1024_32k"   # from the repo root
 # Knobs: AB_KERNEL (ncu -k regex, default FlashFwdSm90Kernel), AB_MODE (fwd or fwd+bwd, default fwd),
-# AB_TESTS (a pytest -k expression on tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py, run on each tree
-# but the first), AB_TEST_TIMEOUT, AB_TEST_WORKERS. Writes $OUT/cycles.md and $OUT/cyc_<tree>_tests.log.
+# AB_NCU_TIMEOUT (seconds per ncu run, default 70), AB_TESTS (a pytest -k expression on
+# tests/test_ffa_sm90_gpu.py and tests/test_ffa_gpu.py, run on each tree but the first), AB_TEST_TIMEOUT,
+# AB_TEST_WORKERS. Writes $OUT/cycles.md and $OUT/cyc_<tree>_tests.log.
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
@@ -27,10 +28,12 @@ for tree in "${@:1:$#-1}"; do
     echo "$tree tests: rc $? $(tail -1 "$OUT/cyc_${name}_tests.log")"
   fi
   for c in $CASES; do
-    ncu --clock-control none --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum --csv \
-      -k "regex:${AB_KERNEL:-FlashFwdSm90Kernel}" --launch-skip 2 --launch-count 1 \
+    # Under a limit: a build that hangs (a barrier count wrong) costs a minute here, not the whole call.
+    timeout "${AB_NCU_TIMEOUT:-70}" ncu --clock-control none --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum \
+      --csv -k "regex:${AB_KERNEL:-FlashFwdSm90Kernel}" --launch-skip 2 --launch-count 1 \
       python3 cuda/tools/ncu_case.py "$c" "${AB_MODE:-fwd}" > /tmp/cyc.csv 2>&1
+    rc=$?
     metric() { grep "\"$1\"" /tmp/cyc.csv | tail -1 | awk -F'","' '{print $NF}' | tr -d '",'; }
-    echo "| $name | $c | $(metric sm__cycles_elapsed.max) | $(metric smsp__inst_executed.sum) |" | tee -a "$OUT/cycles.md"
+    echo "| $name | $c | $(metric sm__cycles_elapsed.max) | $(metric smsp__inst_executed.sum) |$([ $rc = 0 ] || echo " rc $rc$([ $rc = 124 ] && echo ': TIMED OUT (a hang?)')")" | tee -a "$OUT/cycles.md"
   done
 done
