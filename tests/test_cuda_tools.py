@@ -1,6 +1,6 @@
 """cuda/tools/sass_samples.py on a made-up Nsight Compute source page, cuda/tools/sass_path.py on a made-up
-SASS listing, cuda/tools/sched_sim.py's backward model, cuda/tools/tile_waste.py's forward walks on small masks and cuda/tools/power_probe.py on made-up
-nvidia-smi samples: no GPU needed."""
+SASS listing, cuda/tools/sched_sim.py's backward model, cuda/tools/tile_waste.py's forward walks on small
+masks and cuda/tools/power_probe.py on made-up nvidia-smi samples: no GPU needed."""
 
 from __future__ import annotations
 

@@ -16,12 +16,11 @@ import collections
 import re
 import sys
 
+from sass_path import kernel_listing  # a script: its folder (cuda/tools) is on the path
+
 
 def kernel_instructions(sass: str, name: str) -> list[str]:
-    for func in re.split(r"\n\s+Function : ", sass):
-        if name in func.split("\n")[0]:
-            return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(.*?);", func)]
-    raise SystemExit(f"no function matching {name!r}")
+    return [ins for _, ins in kernel_listing(sass, name)]
 
 
 def opcode(ins: str) -> str:
