@@ -4,6 +4,9 @@
 #pragma once
 
 #include <climits>
+#include <type_traits>
+
+#include <cuda_fp16.h>
 
 #include "ptx.h"
 #include "slice_geometry.h"
@@ -113,13 +116,44 @@ MAGI_DEV void MaskRows(float (&s)[MT][NT][4], const int (&lo)[MT * 2], const int
       }
 }
 
+// fp16 bits of a small non-negative integer (exact below 2048): the column offsets as f16x2 immediates.
+__host__ __device__ constexpr uint32_t HalfBits(int n) {
+  int e = 0;
+  while ((2 << e) <= n) ++e;
+  return n == 0 ? 0u : uint32_t(((e + 15) << 10) | ((n << (10 - e)) & 0x3ff));
+}
+
+// A bound clamped to [0, 128] (the columns compared lie in [0, 8 NT), NT <= 16) in both halves of an f16x2.
+// In asm: as C++, LLVM hoisted the clamps out of the masked steps' branch into every step.
+MAGI_DEV uint32_t BoundPair(int b) {
+  uint32_t pair;
+  asm("{\n.reg .s32 c;\n.reg .f16 h;\nmax.s32 c, %1, 0;\nmin.s32 c, c, 128;\ncvt.rn.f16.s32 h, c;\n"
+      "mov.b32 %0, {h, h};\n}\n" : "=r"(pair) : "r"(b));
+  return pair;
+}
+
+// Cells (k, k + 1) of one row kept or set to -inf by one f16x2 comparison of (k, k + 1) against a bound in
+// both halves (HSETP2: two predicates per instruction, against an ISETP per cell). kBelow: keep k < bound,
+// else keep k >= bound.
+template <bool kBelow>
+MAGI_DEV void KeepPair(float& s0, float& s1, uint32_t k_pair, uint32_t bound_pair) {
+  if constexpr (kBelow)
+    asm("{\n.reg .pred p, q;\nsetp.lt.f16x2 p|q, %2, %3;\nselp.f32 %0, %0, 0fFF800000, p;\n"
+        "selp.f32 %1, %1, 0fFF800000, q;\n}\n" : "+f"(s0), "+f"(s1) : "r"(k_pair), "r"(bound_pair));
+  else
+    asm("{\n.reg .pred p, q;\nsetp.ge.f16x2 p|q, %2, %3;\nselp.f32 %0, %0, 0fFF800000, p;\n"
+        "selp.f32 %1, %1, 0fFF800000, q;\n}\n" : "+f"(s0), "+f"(s1) : "r"(k_pair), "r"(bound_pair));
+}
+
 // MaskRows for whole warps (warp-collective: all 32 lanes, warp-uniform flow), comparing only the bounds
 // that cut some cell of the warp's tile. A masked tile is mostly cut on one side (a causal diagonal: hi; a
-// window's or a document's first keys: lo), and each side costs an ISETP per cell: the two-sided MaskRows
-// made a masked step's softmax ~1.6x an interior one's (224 more instructions for 64 cells at D 128).
+// window's or a document's first keys: lo): there a row's two cells of an 8-column group take one f16x2
+// comparison (KeepPair); both sides cost an ISETP per cell and side (the two-sided MaskRows made a masked
+// step's softmax ~1.6x an interior one's: 224 more instructions for 64 cells at D 128).
 // Bounds relative to the thread's first column: cell (ni, e) is at offset 8 ni + (e & 1), an immediate.
 template <int MT, int NT>
 MAGI_DEV void MaskRowsWarp(float (&s)[MT][NT][4], const int (&lo)[MT * 2], const int (&hi)[MT * 2], int c0, int t) {
+  static_assert(NT <= 16, "BoundPair clamps to the 128 columns of NT <= 16");
   constexpr int kLastOffset = 8 * (NT - 1) + 1;
   int rlo[MT * 2], rhi[MT * 2];
   bool cut_lo = false, cut_hi = false;
@@ -132,22 +166,24 @@ MAGI_DEV void MaskRowsWarp(float (&s)[MT][NT][4], const int (&lo)[MT * 2], const
   }
   cut_lo = __any_sync(0xffffffffu, cut_lo);
   cut_hi = __any_sync(0xffffffffu, cut_hi);
-  auto apply = [&](auto keep) {
+  // Each side's bound pairs, then per row and 8-column group one KeepPair a side. Both sides as two KeepPairs
+  // cost what an ISETP per cell and side did; written as C++ compares, LLVM hoisted them out of their branch
+  // into the loop top of the forward (133 ISETP a step, interior steps too).
+  auto keep = [&](auto below, const int (&bound)[MT * 2]) {
+    uint32_t pair[MT * 2];
+#pragma unroll
+    for (int r = 0; r < MT * 2; ++r) pair[r] = BoundPair(bound[r]);
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
       for (int ni = 0; ni < NT; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (!keep(ni * 8 + (e & 1), mi * 2 + (e >> 1))) s[mi][ni][e] = -INFINITY;
+        for (int half = 0; half < 2; ++half)
+          KeepPair<decltype(below)::value>(s[mi][ni][2 * half], s[mi][ni][2 * half + 1],
+                                           HalfBits(8 * ni) | (HalfBits(8 * ni + 1) << 16), pair[mi * 2 + half]);
   };
-  if (cut_lo && cut_hi) {
-    apply([&](int k, int r) { return k >= rlo[r] && k < rhi[r]; });
-  } else if (cut_lo) {
-    apply([&](int k, int r) { return k >= rlo[r]; });
-  } else if (cut_hi) {
-    apply([&](int k, int r) { return k < rhi[r]; });
-  }
+  if (cut_lo) keep(std::false_type{}, rlo);
+  if (cut_hi) keep(std::true_type{}, rhi);
 }
 
 }  // namespace magi_jax::cuda
