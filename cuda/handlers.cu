@@ -77,7 +77,9 @@ class Carver {
 
 struct ListSizes {
   int64_t num_blocks, capacity;
-  size_t Bytes() const { return Carver::Round((num_blocks + 1) * 8) + Carver::Round(capacity * 4); }
+  size_t Bytes() const {
+    return Carver::Round((num_blocks + 1) * 8) + Carver::Round(capacity * 4) + Carver::Round(num_blocks * 4);
+  }
 };
 
 // Whether the sm90 kernels (TMA + wgmma forward and dK/dV, launch_{fwd,bwd}_sm90.cu) run: by default, and
@@ -123,11 +125,11 @@ ListSizes SizeLists(int64_t length, int block, int64_t num_slices) {
   return {nb, capacity};
 }
 
-BlockLists TakeLists(Carver& carver, const ListSizes& sizes, int axis, int block, int64_t** offsets,
-                     int32_t** ids) {
-  *offsets = carver.Take<int64_t>(sizes.num_blocks + 1);
-  *ids = carver.Take<int32_t>(sizes.capacity);
-  return {*offsets, *ids, sizes.capacity, axis, block};
+ListBuffers TakeLists(Carver& carver, const ListSizes& sizes, int axis, int block) {
+  int64_t* offsets = carver.Take<int64_t>(sizes.num_blocks + 1);
+  int32_t* ids = carver.Take<int32_t>(sizes.capacity);
+  int32_t* counts = carver.Take<int32_t>(sizes.num_blocks);
+  return {offsets, ids, counts, sizes.capacity, axis, block};
 }
 
 // The kernels index tokens with int; positions up to 2^31 - 2^16 leave room for a block past the end.
@@ -177,10 +179,9 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (!carver_or.has_value())
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the slice lists");
   Carver& carver = *carver_or;
-  int64_t* offsets;
-  int32_t* ids;
   FwdParams p{};
-  p.lists = TakeLists(carver, q_sizes, kAxisQ, kQBlock, &offsets, &ids);
+  const ListBuffers q_lists = TakeLists(carver, q_sizes, kAxisQ, kQBlock);
+  p.lists = q_lists.View();
   int32_t* sm90_scratch = sm90 ? carver.Take<int32_t>(FwdSm90ScratchInts(dims->tq)) : nullptr;
 
   p.q = q.untyped_data();
@@ -208,16 +209,13 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     p.out_prev = out->untyped_data();
     p.lse_prev = lse->typed_data();
   }
-  if (cudaError_t err = BuildBlockLists(args, kAxisQ, kQBlock, offsets, ids, q_sizes.capacity, stream);
-      err != cudaSuccess)
-    return CudaFailure("slice lists", err);
   return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     if constexpr (D == kSm90OnlyHeadDim) {
       // No mma.sync fallback: inputs TMA cannot take (a pointer not 16-byte aligned, no tensor-map entry
       // point in the driver) are an error.
-      const cudaError_t err = LaunchFwdSm90<T, D>(p, sm90_scratch, stream);
+      const cudaError_t err = LaunchFwdSm90<T, D>(p, q_lists, sm90_scratch, stream);
       if (err == cudaErrorNotSupported)
         return ffi::Error::InvalidArgument(
             "q: head_dim 256 runs on the sm90 (TMA) forward only, which needs q, k, v and out 16-byte aligned "
@@ -227,10 +225,14 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     } else {
       if (sm90) {
         // cudaErrorNotSupported: nothing enqueued, the inputs do not suit TMA; the mma.sync kernel runs.
-        const cudaError_t err = LaunchFwdSm90<T, D>(p, sm90_scratch, stream);
+        const cudaError_t err = LaunchFwdSm90<T, D>(p, q_lists, sm90_scratch, stream);
         if (err == cudaSuccess) return ffi::Error::Success();
         if (err != cudaErrorNotSupported) return CudaFailure("forward (sm90)", err);
       }
+      // The sm90 launcher builds the lists itself (its fill also takes each q block's work); here, for the
+      // mma.sync kernel.
+      if (cudaError_t err = BuildBlockLists(args, q_lists, stream); err != cudaSuccess)
+        return CudaFailure("slice lists", err);
       if (cudaError_t err = LaunchFwd<T, D>(p, stream); err != cudaSuccess) return CudaFailure("forward", err);
       return ffi::Error::Success();
     }
@@ -308,18 +310,14 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.softcap = softcap;
   p.delta = carver.Take<float>(rows);
   int32_t* sm90_order = sm90 ? carver.Take<int32_t>(order_ints) : nullptr;
-  int64_t* k_offsets;
-  int32_t* k_ids;
-  p.k_lists = TakeLists(carver, k_sizes, kAxisK, kKBlock, &k_offsets, &k_ids);
-  if (cudaError_t err = BuildBlockLists(args, kAxisK, kKBlock, k_offsets, k_ids, k_sizes.capacity, stream);
-      err != cudaSuccess)
+  const ListBuffers k_lists = TakeLists(carver, k_sizes, kAxisK, kKBlock);
+  p.k_lists = k_lists.View();
+  if (cudaError_t err = BuildBlockLists(args, k_lists, stream); err != cudaSuccess)
     return CudaFailure("k-block slice lists", err);
   if (deterministic) {
-    int64_t* q_offsets;
-    int32_t* q_ids;
-    p.q_lists = TakeLists(carver, q_sizes, kAxisQ, kQBlock, &q_offsets, &q_ids);
-    if (cudaError_t err = BuildBlockLists(args, kAxisQ, kQBlock, q_offsets, q_ids, q_sizes.capacity, stream);
-        err != cudaSuccess)
+    const ListBuffers q_lists = TakeLists(carver, q_sizes, kAxisQ, kQBlock);
+    p.q_lists = q_lists.View();
+    if (cudaError_t err = BuildBlockLists(args, q_lists, stream); err != cudaSuccess)
       return CudaFailure("q-block slice lists", err);
   } else {
     p.dq_accum = dq_f32 ? dq->typed_data<float>() : carver.Take<float>(accum_elems);

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <utility>
 
+#include "block_lists.h"
 #include "params.h"
 
 namespace magi_jax::cuda {
@@ -65,13 +66,14 @@ cudaError_t LaunchBwdDkDv(const BwdParams& p, bool atomic_dq, cudaStream_t strea
 template <typename T, int D>
 cudaError_t LaunchBwdDq(const BwdParams& p, cudaStream_t stream);
 
-// The sm90 forward (TMA + wgmma, warp-specialised, persistent longest-first; launch_fwd_sm90.cu). scratch:
-// FwdSm90ScratchInts(tq) int32 of device memory. Returns cudaErrorNotSupported, having enqueued nothing,
-// when the inputs do not suit TMA (unaligned pointers, no keys, no tensor-map entry point): the caller then
-// runs LaunchFwd. D 256 (instantiated here only: LaunchFwd has no D 256) takes inputs without keys too.
+// The sm90 forward (TMA + wgmma, warp-specialised, persistent longest-first; launch_fwd_sm90.cu). It builds
+// p.lists itself into `lists` (LaunchFwd needs them built: BuildBlockLists). scratch: FwdSm90ScratchInts(tq)
+// int32 of device memory. Returns cudaErrorNotSupported, having enqueued nothing, when the inputs do not suit
+// TMA (unaligned pointers, no keys, no tensor-map entry point): the caller then runs LaunchFwd. D 256
+// (instantiated here only: LaunchFwd has no D 256) takes inputs without keys too.
 int64_t FwdSm90ScratchInts(int64_t tq);
 template <typename T, int D>
-cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t stream);
+cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t* scratch, cudaStream_t stream);
 
 // The sm90 dK/dV kernel (TMA + wgmma, warp-specialised; launch_bwd_sm90.cu), with dQ added into p.dq_accum
 // by TMA reduce-adds when reduce_dq (else dq comes from LaunchBwdDq). Returns cudaErrorNotSupported, having

@@ -1,7 +1,7 @@
 // The sm90 forward's launcher: tensor maps (built here on the host from device pointers and static shapes:
-// no synchronisation), the longest-first tile order (two small kernels chained to the lists' and to the
-// attention kernel: work here, the sort tile_order.cu), the persistent grid, and the instantiations (bf16,
-// fp16) x (D 64, 128, 256).
+// no synchronisation), the q blocks' lists (block_lists.h: the count, then the fill here with each block's
+// work), the longest-first tile order (the sort, tile_order.cu), the persistent grid, and the instantiations
+// (bf16, fp16) x (D 64, 128, 256).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -19,18 +19,20 @@ namespace {
 
 // ------------------------------------------------------------------------------------------ tile order
 
-constexpr int kWorkWarps = 8;
-
-// The work of q block qb, key tiles visited plus one (scheduler_sm90.h). One warp per q block.
+// The fill of the q blocks' lists (block_lists.h), then the work of each, the key tiles it visits plus one
+// (scheduler_sm90.h): a warp per q block, walking the list it has just written.
 template <int BN>
-__global__ void __launch_bounds__(kWorkWarps * 32) FwdWorkKernel(SliceArgs args, BlockLists lists, int num_blocks,
-                                                                 int group_gap, int32_t* work) {
-  WaitPriorGrid();  // the lists
+__global__ void __launch_bounds__(kListWarps * 32) FwdFillAndWorkKernel(SliceArgs args, ListBuffers lists,
+                                                                       int num_blocks, int group_gap,
+                                                                       int32_t* work) {
+  WaitPriorGrid();  // the counts
   LaunchDependents();
-  const int qb = blockIdx.x * kWorkWarps + int(threadIdx.x >> 5);
-  if (qb >= num_blocks) return;  // whole warps leave together
-  const int w = FwdBlockWork(args, lists, qb, kQBlock, BN, group_gap);
-  if ((threadIdx.x & 31) == 0) work[qb] = w;
+  const ListPlace place = FillListsOfCta(args, lists, num_blocks);
+  if (place.x >= num_blocks) return;  // whole warps leave together
+  __syncwarp();  // the block's ids, written by every lane, are read by every lane
+  const SliceWalk walk(lists.View(), place.x, place.begin, place.count, place.listed);
+  const int w = FwdBlockWork(args, walk, place.x, kQBlock, BN, group_gap);
+  if ((threadIdx.x & 31) == 0) work[place.x] = w;
 }
 
 
@@ -74,7 +76,7 @@ int SectionHeads(const FwdParams& p, int d, int elem_bytes, int device) {
 int64_t FwdSm90ScratchInts(int64_t tq) { return 2 * ((tq + kQBlock - 1) / kQBlock) + 6; }
 
 template <typename T, int D>
-cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t stream) {
+cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t* scratch, cudaStream_t stream) {
   using Tile = FwdSm90Tile<D>;
   const int num_blocks = NumBlocks(p.slices.tq, Tile::kBlockM);
   if (num_blocks == 0 || p.hq == 0) return cudaSuccess;
@@ -109,11 +111,12 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   int32_t* order = work + num_blocks;
   const Sched sched = SchedFromEnv();
   const int group_gap = GroupGapFromEnv(Tile::kBlockN);
-  // The work, the order and the attention kernel, each chained to the kernel before (the lists' fill first;
-  // launch.h LaunchKernel), so that no launch latency separates them; the order kernel also writes the stats,
-  // live and the counter.
-  if (cudaError_t err = LaunchKernel(FwdWorkKernel<Tile::kBlockN>, (num_blocks + kWorkWarps - 1) / kWorkWarps,
-                                     kWorkWarps * 32, 0, stream, Follows::kOurKernel, p.slices, p.lists, num_blocks,
+  // The lists' count (launched plainly), then the fill and work, the order and the attention kernel, each
+  // chained to the kernel before (launch.h LaunchKernel), so that no launch latency separates them; the order
+  // kernel also writes the stats, live and the counter.
+  if (cudaError_t err = LaunchListCount(p.slices, lists, stream); err != cudaSuccess) return err;
+  if (cudaError_t err = LaunchKernel(FwdFillAndWorkKernel<Tile::kBlockN>, NumBlocks(num_blocks, kListWarps),
+                                     kListWarps * 32, 0, stream, Follows::kOurKernel, p.slices, lists, num_blocks,
                                      group_gap, work);
       err != cudaSuccess)
     return err;
@@ -145,12 +148,12 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, int32_t* scratch, cudaStream_t str
   return LaunchKernel(kernel, grid, Tile::kThreads, Tile::kSmemBytes, stream, Follows::kOurKernel, sp);
 }
 
-template cudaError_t LaunchFwdSm90<__nv_bfloat16, 64>(const FwdParams&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__nv_bfloat16, 128>(const FwdParams&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__half, 64>(const FwdParams&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__half, 128>(const FwdParams&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__nv_bfloat16, 64>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__nv_bfloat16, 128>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__half, 64>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__half, 128>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
 // Head dim 256: the only CUDA forward for it (the mma.sync kernel has none; handlers.cu).
-template cudaError_t LaunchFwdSm90<__nv_bfloat16, 256>(const FwdParams&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__half, 256>(const FwdParams&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__nv_bfloat16, 256>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__half, 256>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
 
 }  // namespace magi_jax::cuda

@@ -146,8 +146,7 @@ MAGI_DEV void GroupRowMasks(const SliceWalk& walk, const SliceArgs& a, const Fwd
 }
 
 // Key tiles visited by q block qb (the same walk as the kernel), plus one. Warp-collective.
-MAGI_DEV int FwdBlockWork(const SliceArgs& a, const BlockLists& lists, int qb, int bm, int bn, int gap) {
-  const SliceWalk walk(a, lists, qb);
+MAGI_DEV int FwdBlockWork(const SliceArgs& a, const SliceWalk& walk, int qb, int bm, int bn, int gap) {
   const int64_t r0 = int64_t(qb) * bm;
   int work = 1;
   FwdStep st;

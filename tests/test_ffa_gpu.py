@@ -161,6 +161,18 @@ def test_scan_path_when_slice_lists_overflow(monkeypatch):
         run_case(mask, hq=4, hkv=2, deterministic=deterministic, seed=9)
 
 
+@pytest.mark.parametrize("capacity", [None, "0"])
+def test_slice_lists_filled_by_several_ctas(capacity, monkeypatch):
+    # 2100 rows (17 q blocks) and 2700 keys (22 k blocks): the lists' fill spans two CTAs of 16 blocks
+    # (cuda/block_lists.h kListWarps), the second summing the counts of the first for its offsets; listed,
+    # then scanned (capacity 0).
+    rng = np.random.default_rng(11)
+    mask = random_mask(rng, 300, 2100, 2700, max_len=400)
+    if capacity is not None:
+        monkeypatch.setenv("MAGI_JAX_CUDA_LIST_CAPACITY", capacity)
+    run_case(mask, hq=2, hkv=1, deterministic=capacity is None, seed=11)
+
+
 def test_head_dim_256_scan_path_when_slice_lists_overflow(monkeypatch):
     # The same at head dim 256 (its own forward and split-D backward, deterministic=False only).
     rng = np.random.default_rng(10)
