@@ -157,6 +157,31 @@ def last_step(events: Sequence[dict], steps: int) -> tuple[list[tuple[float, dic
     return rows, busy_until - t0, idle
 
 
+def step_timeline(path: pathlib.Path, steps: int) -> None:
+    """Per GPU, the last of `steps` identical steps: every kernel in start order with its start (ms from the
+    step's first kernel), duration, and the idle gap before it, then the step's span and idle total: where
+    a step's time goes that no kernel accounts for."""
+    host = host_events(path)
+    for gpu, ks in gpu_kernel_events(path).items():
+        rows, span, idle = last_step(ks, steps)
+        print(f"{gpu}: last step, {len(rows)} kernels")
+        for start, e, gap in rows:
+            print(f"  {start / 1e3:8.3f} ms  {e['dur'] / 1e3:7.3f} ms  idle before {gap / 1e3:6.3f}  {e['name'][:90]}")
+        print(f"  span {span / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms")
+        if not rows:
+            continue
+        begin = rows[0][1]["ts"]
+        before = [e["ts"] + e["dur"] for e in ks if e["ts"] < begin]
+        if before:
+            end = max(before)
+            print(f"  GPU idle between the last two steps: {(begin - end) / 1e3:.3f} ms; the host's longest "
+                  f"events in it (ms inside the gap, thread, name):")
+            inside = sorted(((min(e["ts"] + e["dur"], begin) - max(e["ts"], end), e) for e in host
+                             if e["ts"] < begin and e["ts"] + e["dur"] > end), key=lambda x: -x[0])
+            for us, e in inside[:8]:
+                print(f"    {us / 1e3:7.3f}  {e.get('tid')}  {e['name'][:100]}")
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(x) for x in row) + " |" for row in rows]

@@ -54,8 +54,8 @@ from magi_jax.mask import AttnMask, slice_areas  # noqa: E402
 from magi_jax.planner import make_plan  # noqa: E402
 from magi_jax.planner.plan import DistAttnPlan  # noqa: E402
 from bench.common import (append_report, attention_flops, doc_lengths, gpu_kernel_events,  # noqa: E402
-                          host_events, kernel_totals, last_step, markdown_table, median_seconds,
-                          newest_perfetto_trace, positive_int, ratio_text)
+                          kernel_totals, markdown_table, median_seconds, newest_perfetto_trace,
+                          positive_int, ratio_text, step_timeline)
 
 METHODS = ("magi", "allgather", "ring", "single")
 # magi with the transport forced, magi with overlap 0 (fetch, then one fused call both ways), magi with the
@@ -530,31 +530,6 @@ def summarize_trace(path: pathlib.Path) -> dict:
         for nm, us in top:
             print(f"    {us / 1e3:9.3f} ms  {nm[:110]}")
     return summary
-
-
-def step_timeline(path: pathlib.Path, steps: int) -> None:
-    """Per GPU, the last of `steps` identical steps: every kernel in start order with its start (ms from the
-    step's first kernel), duration, and the idle gap before it, then the step's span and idle total: where
-    a step's time goes that no kernel accounts for."""
-    host = host_events(path)
-    for gpu, ks in gpu_kernel_events(path).items():
-        rows, span, idle = last_step(ks, steps)
-        print(f"{gpu}: last step, {len(rows)} kernels")
-        for start, e, gap in rows:
-            print(f"  {start / 1e3:8.3f} ms  {e['dur'] / 1e3:7.3f} ms  idle before {gap / 1e3:6.3f}  {e['name'][:90]}")
-        print(f"  span {span / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms")
-        if not rows:
-            continue
-        begin = rows[0][1]["ts"]
-        before = [e["ts"] + e["dur"] for e in ks if e["ts"] < begin]
-        if before:
-            end = max(before)
-            print(f"  GPU idle between the last two steps: {(begin - end) / 1e3:.3f} ms; the host's longest "
-                  f"events in it (ms inside the gap, thread, name):")
-            inside = sorted(((min(e["ts"] + e["dur"], begin) - max(e["ts"], end), e) for e in host
-                             if e["ts"] < begin and e["ts"] + e["dur"] > end), key=lambda x: -x[0])
-            for us, e in inside[:8]:
-                print(f"    {us / 1e3:7.3f}  {e.get('tid')}  {e['name'][:100]}")
 
 
 def arg_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,8 @@
     python cuda/tools/ncu_case.py causal_32k fwd            # 3 calls (ncu_profile.sh skips the first two)
     python cuda/tools/ncu_case.py causal_32k fwd --trace /tmp/t [--impl cudnn]
         # 10 timed calls (wall clock, as bench/kernel.py), then 10 traced: the GPU time per call of each
-        # kernel, their sum, and what the wall clock holds beyond it (gaps between kernels, clocks)
+        # kernel, their sum, and what the wall clock holds beyond it: the last call's kernels with the idle
+        # before each, and the host's longest events while the GPU waited for that call
     python cuda/tools/ncu_case.py varlen_swa1024_32k fwd --chain 10 [--impl cudnn]
         # the wall time per call of 10 separate calls against 10 calls chained inside one jit (each call's q
         # the last one's output), as a training step runs its layers: what dispatching each call costs
@@ -22,7 +23,7 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's bench package
 from bench import kernel as bench  # noqa: E402
-from bench.common import gpu_kernel_events, kernel_totals, newest_perfetto_trace  # noqa: E402
+from bench.common import gpu_kernel_events, kernel_totals, newest_perfetto_trace, step_timeline  # noqa: E402
 
 
 def chained(f, fn, a, q, k, v) -> None:
@@ -79,12 +80,14 @@ def main() -> None:
         for _ in range(calls):
             out = f(q, k, v)
         jax.block_until_ready(out)
-    events = [e for ks in gpu_kernel_events(newest_perfetto_trace(a.trace)).values() for e in ks]
+    trace = newest_perfetto_trace(a.trace)
+    events = [e for ks in gpu_kernel_events(trace).values() for e in ks]
     rows = [(name, us / calls) for name, us in kernel_totals(events)]
     busy = sum(t for _, t in rows)
     print(f"{a.case} {a.mode} {a.impl}: wall {wall_us:.0f} us per call, GPU kernels {busy:.0f} us per call")
     for name, t in rows[:12]:
         print(f"  {t:9.1f} us  {name[:120]}")
+    step_timeline(trace, calls)
 
 
 if __name__ == "__main__":
