@@ -12,8 +12,9 @@ constexpr int kOrderThreads = 1024;
 constexpr int kOrderWarps = kOrderThreads / 32;
 constexpr int kBuckets = 4096;
 
-// An exclusive scan of one int per thread across the CTA: shuffles within each warp, then one warp scans the
-// warps' sums (three barriers; a Hillis-Steele scan over the CTA took twenty).
+// An exclusive scan of one int per thread across the sort's CTA of 32 warps: shuffles within each warp, then
+// one warp scans the warps' sums (three barriers; a Hillis-Steele scan over the CTA took twenty).
+static_assert(kOrderWarps == 32, "ExclusiveScan: one warp scans the warps' sums, a lane each");
 __device__ int ExclusiveScan(int value, int* warp_sums) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int inclusive = value;
