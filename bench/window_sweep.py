@@ -10,7 +10,13 @@ what a step costs (b). Steps are counted on each implementation's forward walk (
 key, cuda/tools/tile_waste.py; tokamax and cuDNN: aligned to 128, as tokamax's is); the backward's row steps
 per k block grow with the window alike on one document.
 
+--bands also times FFA on bands: per q block of 128 rows one FULL slice of the window / 128 + 1 key tiles that
+end with the block, the same tiles and steps as the window's walk with no cell masked. Band against window
+at equal walks is what the masks cost (a window's first and last key tile per q block); the bands' own fit
+is the per-tile cost without them.
+
     python bench/window_sweep.py [--docs 8192 32768] [--windows 256 512 1024 2048 4096] [--impls ffa tokamax cudnn]
+    python bench/window_sweep.py --impls ffa --bands
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from bench import kernel as kb  # noqa: E402  (stubs xprof for tokamax before jax is imported)
 from bench.common import doc_lengths  # noqa: E402
 from magi_jax import masks  # noqa: E402
+from magi_jax.mask import AttnMask, AttnMaskType  # noqa: E402
 
 sys.path.insert(0, str(kb.ROOT / "cuda" / "tools"))
 import tile_waste  # noqa: E402  (the forward's walk, host model)
@@ -46,6 +53,13 @@ def ffa_steps(mask) -> int:
     return tile_waste.walk_cells(mask) // (BLOCK * BLOCK)
 
 
+def band_mask(length: int, window: int) -> AttnMask:
+    """One document of `length` (a multiple of 128): q block b sees keys [128 b - window, 128 b + 128), FULL."""
+    slices = [(qs, qs + BLOCK, max(0, qs - window), qs + BLOCK, AttnMaskType.FULL) for qs in range(0, length, BLOCK)]
+    arr = np.array(slices, np.int64)
+    return AttnMask(arr[:, 0:2], arr[:, 2:4], arr[:, 4], length, length)
+
+
 def fit(rows: list[dict], key: str) -> tuple[float, float, float] | None:
     """(c, a, b) of time = c + tiles x a + steps x b in microseconds over rows' `key` (ms); None without two
     document lengths."""
@@ -63,6 +77,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--impls", nargs="*", default=["ffa", "tokamax", "cudnn"])
     parser.add_argument("--rounds", type=kb.positive_int, default=3)
+    parser.add_argument("--bands", action="store_true", help="also FFA on unmasked bands of the same walks")
     a = parser.parse_args()
     cases = [(f"doc{t // 1024}k_w{w}", [t], w) for t in a.docs for w in a.windows if w < t]
     cases.append(("varlen_w1024", doc_lengths(32768, seed=32768), 1024))  # bench/kernel.py's varlen_swa1024_32k
@@ -78,6 +93,14 @@ def main() -> None:
         for r in results:
             r.update(window=w, tiles=-(-sum(lens) // BLOCK) * kb.H, steps=steps.get(r["impl"], steps["ffa"]) * kb.H)
         rows += results
+    for t in a.docs if a.bands else []:
+        for w in (w for w in a.windows if w < t):
+            mask = band_mask(t, w)
+            results = []
+            kb.run_case(kb.Case(f"band{t // 1024}k_w{w}", mask, {}), ["ffa"], results, rounds=a.rounds, gpu_time=True)
+            for r in results:
+                r.update(window=w, tiles=-(-t // BLOCK) * kb.H, steps=ffa_steps(mask) * kb.H)
+            rows += results
     timed = [r for r in rows if "ms" in r]
     print("\n| case | impl | pass | steps / tile | wall ms | GPU ms | TFLOP/s (wall) | diff vs ffa |")
     print("|---|---|---|---|---|---|---|---|")
@@ -88,13 +111,14 @@ def main() -> None:
     print(f"\nfit on the single-document cases, time = c + tiles x a + steps x b (a, b as an SM's time: x {sms}):")
     for mode in ("fwd", "fwd+bwd"):
         for impl in a.impls:
-            sel = [r for r in timed if r["impl"] == impl and r["mode"] == mode and r["case"].startswith("doc")]
-            for key, label in (("ms", "wall"), ("gpu_ms", "GPU")):
-                got = fit(sel, key)
-                if got is not None:
-                    c, ta, sb = got
-                    print(f"  {mode:7s} {label:4s} {impl:8s} c {c:.1f} us per call, a {ta * sms:.2f} us per tile, "
-                          f"b {sb * sms:.3f} us per step")
+            for prefix in ("doc", "band"):
+                sel = [r for r in timed if r["impl"] == impl and r["mode"] == mode and r["case"].startswith(prefix)]
+                for key, label in (("ms", "wall"), ("gpu_ms", "GPU")):
+                    got = fit(sel, key)
+                    if got is not None:
+                        c, ta, sb = got
+                        print(f"  {mode:7s} {label:4s} {impl + (' band' if prefix == 'band' else ''):13s} c {c:.1f} us "
+                              f"per call, a {ta * sms:.2f} us per tile, b {sb * sms:.3f} us per step")
     if os.environ.get("OUT"):
         pathlib.Path(os.environ["OUT"], "window_sweep.json").write_text(json.dumps(rows, indent=1))
 

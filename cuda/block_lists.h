@@ -50,8 +50,9 @@ struct SliceWalk {
   }
 
   // The walk of block x whose ids lie at [begin, begin + count) when listed: for the list kernels, whose
-  // offsets are not complete yet. Not a delegate of the constructor above: the attention kernels' code moves
-  // with any change to it (cuda/NOTES.md, "Slice lists in fewer kernels").
+  // offsets are not complete yet, and the forward's K/V warp, which takes the tile warp's. Not a delegate of
+  // the constructor above: the attention kernels' code moves with any change to it (cuda/NOTES.md, "Slice
+  // lists in fewer kernels").
   MAGI_DEV SliceWalk(const BlockLists& lists, int x, int64_t begin_, int count, bool listed) {
     ids = lists.ids;
     axis = lists.axis;

@@ -295,6 +295,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           const int decoded = tile < tiles ? qb * fp.hq + h : p.num_tiles;
           const int steps = first.cur < 0 ? 0 : p.work[qb] - 1;
           bars.tile[slot.stage] = FwdTileRecord::Of(args, walk, decoded, first, steps);
+          bars.walk[slot.stage][0] = walk.begin;
+          bars.walk[slot.stage][1] = walk.end;
+          bars.walk[slot.stage][2] = walk.csr;
           MbarArrive(&bars.tile_full[slot.stage]);
         }
         slot.Advance();
@@ -332,6 +335,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       const int tile = bars.tile[slot.stage].tile;
       FwdStep st = bars.tile[slot.stage].Step();
       int left = bars.tile[slot.stage].steps;  // steps not yet issued
+      const int qb = tile / fp.hq, hk = tile % fp.hq / (fp.hq / fp.hkv);
+      const int* pos = bars.walk[slot.stage];  // the tile warp's walk: no list load before the first K
+      const SliceWalk walk(fp.lists, qb, pos[0], pos[1] - pos[0], pos[2] != 0);
       __syncwarp();
       if (lane == 0) MbarArrive(&bars.tile_empty[slot.stage]);
       slot.Advance();
@@ -345,9 +351,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
         }
       };
       if (left <= claim_lead) release_claim();
-      const int qb = tile / fp.hq, hk = tile % fp.hq / (fp.hq / fp.hkv);
       const int64_t r0 = int64_t(qb) * BM;
-      const SliceWalk walk(args, fp.lists, qb);
       for (; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, p.group_gap, &st)) {
         if (lane == 0) {
           MbarWait(&bars.k_empty[kv.stage], kv.phase ^ 1);

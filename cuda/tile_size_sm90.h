@@ -73,7 +73,7 @@ struct FwdSm90Tile {
   // [warpgroup][chunk][64 rows][64]; in the Q buffer ([chunk][128 rows][64]) the warpgroup's own Q rows.
   static constexpr int kOWgBytes = kOInQ ? kRowsPerWarpgroup * 128 : kRowsPerWarpgroup * D * 2;
   static constexpr int kOChunkBytes = kOInQ ? kBlockM * 128 : kRowsPerWarpgroup * 128;
-  static constexpr uint32_t kBarBytes = 320;  // FwdSm90Barriers: up to 24 mbarriers and two tile records
+  static constexpr uint32_t kBarBytes = 384;  // FwdSm90Barriers: up to 26 mbarriers, two tile records and walks
   // + 1024 so that the kernel can align the dynamic buffer to the 1024 bytes the swizzle atoms need.
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
 
@@ -99,6 +99,12 @@ struct FwdSm90Barriers {
   FwdTileRecord tile[2];
   int tail_first;  // the scheduler's last-section start (TailSectionStart), set before the first tile
   int tiles;       // the tiles the call visits (VisitedTiles), set with it
+  // Beside each tile record, its q block's SliceWalk positions (begin, end, listed), from which the K/V warp
+  // makes its walk instead of loading the list's offsets at every tile start: that load's latency stood
+  // before the tile's first K load, which the consumers waited for at the tile boundary. Kept apart from the
+  // records, which the consumers read: a longer record with the consumers' walks made from it too moved
+  // their register allocation (causal 32k +4.7% cycles, cuda/NOTES.md "The K/V warp's walk from the record").
+  int walk[2][3];
 };
 
 

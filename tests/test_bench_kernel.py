@@ -163,3 +163,16 @@ def test_window_sweep_counts_the_key_tiles_of_each_walk():
     steps = ws.ffa_steps(masks.sliding_window([4096], 1024))
     assert steps == sum(range(1, 9)) + 24 * 9
     assert type(steps) is int and type(ws.aligned_steps(ks)) is int  # the rows go to JSON
+
+
+def test_window_sweep_bands_walk_the_windows_tiles_unmasked():
+    from bench import window_sweep as ws
+    from magi_jax import masks
+
+    band = ws.band_mask(4096, 1024)
+    dense = band.to_dense()
+    rows, cols = np.indices(dense.shape)
+    block_end = (rows // 128 + 1) * 128
+    # q block b sees keys [128 b - 1024, 128 b + 128): whole key tiles, nothing masked inside them.
+    np.testing.assert_array_equal(dense, ((cols < block_end) & (cols >= block_end - 128 - 1024)).astype(dense.dtype))
+    assert ws.ffa_steps(band) == ws.ffa_steps(masks.sliding_window([4096], 1024))
