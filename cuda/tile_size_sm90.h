@@ -103,7 +103,7 @@ struct FwdSm90Barriers {
   // makes its walk instead of loading the list's offsets at every tile start: that load's latency stood
   // before the tile's first K load, which the consumers waited for at the tile boundary. Kept apart from the
   // records, which the consumers read: a longer record with the consumers' walks made from it too moved
-  // their register allocation (causal 32k +4.7% cycles, cuda/NOTES.md "The K/V warp's walk from the record").
+  // their register allocation (causal 32k +4.7% cycles, cuda/NOTES.md "Tile boundaries and CTA starts").
   int walk[2][3];
 };
 
