@@ -307,6 +307,15 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
           if (first.cur < 0) {
             MbarArrive(&bars.q_full[qs.stage]);  // a tile without keys reads no Q: the phase completes bare
           } else {
+            if (p.prefetch_last) {  // the first group's last key tile, into L2 (FwdSm90Params::prefetch_last)
+              const int last = first.c0 + (first.ke - first.c0 - 1) / BN * BN;
+              const int hk = h / (fp.hq / fp.hkv);
+#pragma unroll
+              for (int c = 0; c < kChunks; ++c) {
+                TmaPrefetchL2(&p.k_map, 64 * c, hk, last);
+                TmaPrefetchL2(&p.v_map, 64 * c, hk, last);
+              }
+            }
             MbarArriveExpectTx(&bars.q_full[qs.stage], Tile::kQBytes);
             unsigned char* sq_stage = sq + qs.stage * Tile::kQBytes;
 #pragma unroll

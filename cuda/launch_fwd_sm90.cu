@@ -136,6 +136,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
   sp.work_stats = stats;
   sp.work = work;
   sp.claim_lead = ClaimLeadFromEnv(Tile::kClaimLead);
+  sp.prefetch_last = EnvEquals("MAGI_JAX_SM90_PREFETCH_LAST", "0") ? 0 : 1;
   sp.group_gap = group_gap;
   auto kernel = p.softcap > 0.0f ? FlashFwdSm90Kernel<T, D, true> : FlashFwdSm90Kernel<T, D, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);

@@ -46,6 +46,10 @@ struct FwdSm90Params {
   const int32_t* work;  // [num q blocks]: each q block's work (FwdBlockWork: its steps plus one)
   int claim_lead;       // steps (FwdSm90Tile::kClaimLead)
   int group_gap;        // FwdStepFrom's: the key tile (kBlockN), or kNoGroups (MAGI_JAX_SM90_GROUPS=0)
+  // 1 (MAGI_JAX_SM90_PREFETCH_LAST=0: 0): the tile warp prefetches into L2 the K / V of the last key tile of a
+  // taken tile's first group, beside its Q: a causal walk's diagonal, whose first reader is this q block, so its
+  // K / V come from DRAM late in the walk otherwise (sliding window -0.7% cycles, cuda/NOTES.md).
+  int prefetch_last;
 };
 
 // A group_gap no two key spans are within: every slice walked alone (the walk before groups, for A/B).

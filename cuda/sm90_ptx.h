@@ -82,6 +82,14 @@ MAGI_DEV void PrefetchTensorMap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
+// A 3-d box into L2 only (no shared memory, no barrier): warms a later load of it.
+MAGI_DEV void TmaPrefetchL2(const CUtensorMap* map, int x, int y, int z) {
+  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(x), "r"(y), "r"(z)
+               : "memory");
+}
+
 // A 3-d box (x innermost) global -> shared, completing `bar`'s transaction count. Out-of-bounds elements
 // (rows past the tensor's end) are written as zeros and still count towards the bytes.
 MAGI_DEV void TmaLoad3d(void* smem, const CUtensorMap* map, uint64_t* bar, int x, int y, int z) {
