@@ -111,10 +111,10 @@ def test_power_probe_averages_each_phase_per_gpu(tmp_path, capsys):
     samples = parse_samples(path)
     assert len(samples) == 4 and samples[1][1:] == (0, 1700.0, 690.0, 4)
     t0 = samples[0][0]
-    summarize(samples, [("idle", t0 - 0.1, t0 + 0.1, 0.0), ("busy", t0 + 0.9, t0 + 1.6, 0.002)])
+    summarize(samples, [("idle", t0 - 0.1, t0 + 0.1, 0.0, 0.0), ("busy", t0 + 0.9, t0 + 1.6, 0.002, 1380.0)])
     idle, busy = capsys.readouterr().out.splitlines()
-    assert "gpu0:   1980 MHz   120 W capped   0% (1)" in idle and "gpu1" not in idle
-    assert "2.000 ms/call" in busy
+    assert "gpu0:   1980 MHz   120 W capped   0% (1)" in idle and "gpu1" not in idle and "mJ" not in idle
+    assert "2.000 ms/call    1380.0 mJ/call ( 690 W)" in busy  # the energy counter's mean power
     assert "gpu0:   1650 MHz   695 W capped  50% (2)" in busy and "gpu1:   1980 MHz   121 W capped   0% (1)" in busy
 
 
