@@ -12,8 +12,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import bench.common  # noqa: E402
-from bench.common import (busy_seconds_per_call, gpu_kernel_events, host_events, kernel_totals,  # noqa: E402
-                          last_step, median_seconds, newest_perfetto_trace)
+from bench.common import (busy_seconds_per_call, call_latencies, gpu_kernel_events, host_events,  # noqa: E402
+                          kernel_totals, last_step, median_seconds, newest_perfetto_trace)
 
 
 def test_median_seconds_is_per_call_over_back_to_back_calls(monkeypatch):
@@ -79,3 +79,18 @@ def test_busy_seconds_per_call_is_the_median_call():
     events = [{"ts": 10.0 * i, "dur": d} for i, d in enumerate([9.0, 5.0, 3.0, 2.0, 3.0, 2.5])]
     assert busy_seconds_per_call(events[::-1], calls=3) == pytest.approx(5.5e-6)   # calls: 14, 5, 5.5
     assert busy_seconds_per_call(events[:5], calls=3) == pytest.approx(22.0e-6 / 3)  # uneven: the mean
+
+
+def test_call_latencies_split_each_lone_call():
+    # Two calls (markers on the host); the first's kernels start 40 us into it, the second's 15 us; a kernel
+    # between the markers belongs to neither; a marker without kernels is left out.
+    host = [{"name": "magi_isolated_call", "ts": 100.0, "dur": 200.0},
+            {"name": "dispatch", "ts": 100.0, "dur": 30.0},
+            {"name": "magi_isolated_call", "ts": 500.0, "dur": 100.0},
+            {"name": "magi_isolated_call", "ts": 900.0, "dur": 10.0}]
+    gpu = [{"name": "prep", "ts": 140.0, "dur": 5.0}, {"name": "attn", "ts": 150.0, "dur": 100.0},
+           {"name": "stray", "ts": 400.0, "dur": 10.0}, {"name": "attn", "ts": 515.0, "dur": 60.0}]
+    calls = call_latencies(host, gpu, "magi_isolated_call")
+    assert [(c["first"], c["last"], c["end"], c["busy"]) for c in calls] == [(40.0, 150.0, 200.0, 105.0),
+                                                                             (15.0, 75.0, 100.0, 60.0)]
+    assert [e["name"] for e in calls[0]["events"]] == ["prep", "attn"]

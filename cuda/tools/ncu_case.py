@@ -5,6 +5,10 @@
         # 10 timed calls (wall clock, as bench/kernel.py), then 10 traced: the GPU time per call of each
         # kernel, their sum, and what the wall clock holds beyond it: the last call's kernels with the idle
         # before each, and the host's longest events while the GPU waited for that call
+    python cuda/tools/ncu_case.py varlen_swa1024_32k fwd --isolated 5 [--impl cudnn]
+        # 5 traced calls, each alone (synchronised, then a pause): per call when its first kernel starts after
+        # the host's dispatch begins, when its last ends, and when the host is awake again; the host's longest
+        # events before the first kernel
     python cuda/tools/ncu_case.py varlen_swa1024_32k fwd --chain 10 [--impl cudnn]
         # the wall time per call of 10 separate calls against 10 calls chained inside one jit (each call's q
         # the last one's output), as a training step runs its layers: what dispatching each call costs
@@ -23,7 +27,8 @@ import jax
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's bench package
 from bench import kernel as bench  # noqa: E402
-from bench.common import gpu_kernel_events, kernel_totals, newest_perfetto_trace, step_timeline  # noqa: E402
+from bench.common import (call_latencies, gpu_kernel_events, host_events, kernel_totals,  # noqa: E402
+                          newest_perfetto_trace, step_timeline)
 
 
 def chained(f, fn, a, q, k, v) -> None:
@@ -50,6 +55,38 @@ def chained(f, fn, a, q, k, v) -> None:
           f"{chn:.1f} ({sep - chn:+.1f})")
 
 
+def isolated(f, a, q, k, v) -> None:
+    """a.isolated calls, each synchronised and followed by a pause, under the profiler: where a lone call's
+    wall time goes beyond its kernels (bench/kernel.py's samples of 10 start with one such call)."""
+    for _ in range(2):
+        jax.block_until_ready(f(q, k, v))
+    with jax.profiler.trace(str(a.trace), create_perfetto_trace=True):
+        for _ in range(a.isolated):
+            time.sleep(0.002)
+            with jax.profiler.TraceAnnotation("magi_isolated_call"):
+                jax.block_until_ready(f(q, k, v))
+    trace = newest_perfetto_trace(a.trace)
+    host = host_events(trace)
+    gpu = [e for ks in gpu_kernel_events(trace).values() for e in ks]
+    calls = call_latencies(host, gpu, "magi_isolated_call")
+    print(f"{a.case} {a.mode} {a.impl}: {len(calls)} isolated calls, us from the dispatch's start: first kernel, "
+          f"last kernel's end, host awake (GPU busy)")
+    for c in calls:
+        print(f"  {c['first']:8.1f} {c['last']:8.1f} {c['end']:8.1f}  ({c['busy']:.1f})")
+    if calls:
+        c = calls[len(calls) // 2]
+        print("the middle call's kernels (start, duration, us):")
+        for e in c["events"]:
+            print(f"  {e['ts'] - c['events'][0]['ts'] + c['first']:8.1f} {e['dur']:8.1f}  {e['name'][:90]}")
+        m = sorted((e for e in host if e["name"] == "magi_isolated_call"), key=lambda e: e["ts"])[len(calls) // 2]
+        t0, t1 = m["ts"], m["ts"] + c["first"]
+        inside = sorted(((min(e["ts"] + e["dur"], t1) - max(e["ts"], t0), e) for e in host
+                         if e["ts"] < t1 and e["ts"] + e["dur"] > t0 and e is not m), key=lambda x: -x[0])
+        print("the host's longest events before its first kernel (us inside, thread, name):")
+        for us, e in inside[:12]:
+            print(f"  {us:8.1f}  {e.get('tid')}  {e['name'][:100]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("case")
@@ -57,6 +94,7 @@ def main() -> None:
     ap.add_argument("--impl", default="ffa", help="ffa, or a baseline of the case (cudnn)")
     ap.add_argument("--trace", type=pathlib.Path, default=None)
     ap.add_argument("--chain", type=int, default=0, help="compare N separate calls with N chained in one jit")
+    ap.add_argument("--isolated", type=int, default=0, help="trace N lone calls (needs --trace DIR)")
     a = ap.parse_args()
     case = next(c for c in bench.make_cases() if c.name == a.case)
     q, k, v = bench.case_inputs(case)
@@ -64,6 +102,11 @@ def main() -> None:
     f = bench.jitted(fn, a.mode)
     if a.chain:
         chained(f, fn, a, q, k, v)
+        return
+    if a.isolated:
+        if a.trace is None:
+            ap.error("--isolated needs --trace DIR")
+        isolated(f, a, q, k, v)
         return
     calls = 3 if a.trace is None else 10
     for _ in range(2 if a.trace is not None else calls):
