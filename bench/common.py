@@ -187,14 +187,14 @@ def call_latencies(host: Sequence[dict], gpu: Sequence[dict], marker: str) -> li
     and its block_until_ready, the GPU idle before it), in microseconds from the marker's start: `first` the
     start of the first GPU event inside it (what the dispatch costs before the GPU starts), `last` the end of
     the last, `busy` their summed durations, `end` the marker's end (the host awake again), `events` them in
-    start order. Markers without GPU events are left out."""
+    start order, `start` the marker's own start (trace time). Markers without GPU events are left out."""
     calls = []
     for m in sorted((e for e in host if e["name"] == marker), key=lambda e: e["ts"]):
         t0, t1 = m["ts"], m["ts"] + m["dur"]
         inside = sorted((e for e in gpu if t0 <= e["ts"] < t1), key=lambda e: e["ts"])
         if inside:
             calls.append(dict(first=inside[0]["ts"] - t0, last=max(e["ts"] + e["dur"] for e in inside) - t0,
-                              busy=sum(e["dur"] for e in inside), end=m["dur"], events=inside))
+                              busy=sum(e["dur"] for e in inside), end=m["dur"], events=inside, start=t0))
     return calls
 
 

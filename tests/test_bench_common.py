@@ -93,4 +93,4 @@ def test_call_latencies_split_each_lone_call():
     calls = call_latencies(host, gpu, "magi_isolated_call")
     assert [(c["first"], c["last"], c["end"], c["busy"]) for c in calls] == [(40.0, 150.0, 200.0, 105.0),
                                                                              (15.0, 75.0, 100.0, 60.0)]
-    assert [e["name"] for e in calls[0]["events"]] == ["prep", "attn"]
+    assert [e["name"] for e in calls[0]["events"]] == ["prep", "attn"] and [c["start"] for c in calls] == [100.0, 500.0]

@@ -78,10 +78,10 @@ def isolated(f, a, q, k, v) -> None:
         print("the middle call's kernels (start, duration, us):")
         for e in c["events"]:
             print(f"  {e['ts'] - c['events'][0]['ts'] + c['first']:8.1f} {e['dur']:8.1f}  {e['name'][:90]}")
-        m = sorted((e for e in host if e["name"] == "magi_isolated_call"), key=lambda e: e["ts"])[len(calls) // 2]
-        t0, t1 = m["ts"], m["ts"] + c["first"]
+        t0, t1 = c["start"], c["start"] + c["first"]
         inside = sorted(((min(e["ts"] + e["dur"], t1) - max(e["ts"], t0), e) for e in host
-                         if e["ts"] < t1 and e["ts"] + e["dur"] > t0 and e is not m), key=lambda x: -x[0])
+                         if e["ts"] < t1 and e["ts"] + e["dur"] > t0 and e["name"] != "magi_isolated_call"),
+                        key=lambda x: -x[0])
         print("the host's longest events before its first kernel (us inside, thread, name):")
         for us, e in inside[:12]:
             print(f"  {us:8.1f}  {e.get('tid')}  {e['name'][:100]}")
