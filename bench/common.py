@@ -176,10 +176,15 @@ def step_timeline(path: pathlib.Path, steps: int) -> None:
             end = max(before)
             print(f"  GPU idle between the last two steps: {(begin - end) / 1e3:.3f} ms; the host's longest "
                   f"events in it (ms inside the gap, thread, name):")
-            inside = sorted(((min(e["ts"] + e["dur"], begin) - max(e["ts"], end), e) for e in host
-                             if e["ts"] < begin and e["ts"] + e["dur"] > end), key=lambda x: -x[0])
-            for us, e in inside[:8]:
+            for us, e in overlapping(host, end, begin)[:8]:
                 print(f"    {us / 1e3:7.3f}  {e.get('tid')}  {e['name'][:100]}")
+
+
+def overlapping(events: Sequence[dict], t0: float, t1: float) -> list[tuple[float, dict]]:
+    """(time inside [t0, t1), event) of the timed events that overlap that interval, the longest inside first."""
+    inside = ((min(e["ts"] + e["dur"], t1) - max(e["ts"], t0), e) for e in events
+              if e["ts"] < t1 and e["ts"] + e["dur"] > t0)
+    return sorted(inside, key=lambda x: -x[0])
 
 
 def call_latencies(host: Sequence[dict], gpu: Sequence[dict], marker: str) -> list[dict]:

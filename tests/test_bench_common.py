@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import bench.common  # noqa: E402
 from bench.common import (busy_seconds_per_call, call_latencies, gpu_kernel_events, host_events,  # noqa: E402
-                          kernel_totals, last_step, median_seconds, newest_perfetto_trace)
+                          kernel_totals, last_step, median_seconds, newest_perfetto_trace, overlapping)
 
 
 def test_median_seconds_is_per_call_over_back_to_back_calls(monkeypatch):
@@ -94,3 +94,9 @@ def test_call_latencies_split_each_lone_call():
     assert [(c["first"], c["last"], c["end"], c["busy"]) for c in calls] == [(40.0, 150.0, 200.0, 105.0),
                                                                              (15.0, 75.0, 100.0, 60.0)]
     assert [e["name"] for e in calls[0]["events"]] == ["prep", "attn"] and [c["start"] for c in calls] == [100.0, 500.0]
+
+
+def test_overlapping_measures_each_event_inside_the_interval():
+    events = [{"name": "a", "ts": 0.0, "dur": 15.0}, {"name": "b", "ts": 12.0, "dur": 30.0},
+              {"name": "c", "ts": 20.0, "dur": 5.0}, {"name": "d", "ts": 30.0, "dur": 5.0}]
+    assert [(us, e["name"]) for us, e in overlapping(events, 10.0, 30.0)] == [(18.0, "b"), (5.0, "a"), (5.0, "c")]

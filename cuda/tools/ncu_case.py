@@ -28,7 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script: the repository's bench package
 from bench import kernel as bench  # noqa: E402
 from bench.common import (call_latencies, gpu_kernel_events, host_events, kernel_totals,  # noqa: E402
-                          newest_perfetto_trace, step_timeline)
+                          newest_perfetto_trace, overlapping, step_timeline)
 
 
 def chained(f, fn, a, q, k, v) -> None:
@@ -78,10 +78,8 @@ def isolated(f, a, q, k, v) -> None:
         print("the middle call's kernels (start, duration, us):")
         for e in c["events"]:
             print(f"  {e['ts'] - c['events'][0]['ts'] + c['first']:8.1f} {e['dur']:8.1f}  {e['name'][:90]}")
-        t0, t1 = c["start"], c["start"] + c["first"]
-        inside = sorted(((min(e["ts"] + e["dur"], t1) - max(e["ts"], t0), e) for e in host
-                         if e["ts"] < t1 and e["ts"] + e["dur"] > t0 and e["name"] != "magi_isolated_call"),
-                        key=lambda x: -x[0])
+        inside = [(us, e) for us, e in overlapping(host, c["start"], c["start"] + c["first"])
+                  if e["name"] != "magi_isolated_call"]
         print("the host's longest events before its first kernel (us inside, thread, name):")
         for us, e in inside[:12]:
             print(f"  {us:8.1f}  {e.get('tid')}  {e['name'][:100]}")
