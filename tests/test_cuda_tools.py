@@ -88,6 +88,10 @@ def test_tile_waste_counts_the_walks_cells():
     shifted = AttnMask([[0, 128]], [[64, 192]], ["full"], 128, 192)
     assert computed_cells(shifted, 128, halves=False, union=False) == 128 * 128
     assert computed_cells(shifted, 128, halves=False, union=True) == 2 * 128 * 128
+    # 60 keys: one 128-key tile, or one of 64 (now_n64).
+    narrow = AttnMask([[0, 128]], [[0, 60]], ["full"], 128, 60)
+    assert walk_cells(narrow) == 128 * 128
+    assert walk_cells(narrow, 64) == 128 * 64
 
 
 def test_masked_wg_steps_counts_the_backward_pairs_no_row_of_which_attends():

@@ -14,7 +14,8 @@ unmasked cells:
   union        one walk per q block over the union of its slices' key tiles (slices with disjoint rows in
                the same block, such as a document's causal head and its band, share their key tiles); a
                shared walk needs a shared grid, so its tiles are aligned to multiples of 128 keys;
-  union_halves both of the last two.
+  union_halves both of the last two;
+  now_n64      the kernel's walk with 64-key tiles (FwdSm90Tile's kBlockN 64 at D 128), both warpgroups.
 
     python cuda/tools/tile_waste.py [case ...]      # default: every case of bench/kernel.py
 
@@ -94,7 +95,7 @@ def masked_wg_steps(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> tu
 def main() -> int:
     wanted = sys.argv[1:]
     print(f"{'case':26s} {'now':>7s} {'slices':>7s} {'wg_tiles':>9s} {'wg_halves':>10s} {'union':>7s} "
-          f"{'union_halves':>13s}")
+          f"{'union_halves':>13s} {'now_n64':>8s}")
     for case in make_cases():
         if wanted and case.name not in wanted:
             continue
@@ -102,8 +103,8 @@ def main() -> int:
         ratios = [walk_cells(case.mask) / area] + [
             computed_cells(case.mask, rows, halves, union) / area for rows, halves, union in
             ((BLOCK_M, False, False), (WG_M, False, False), (WG_M, True, False), (BLOCK_M, False, True),
-             (WG_M, True, True))]
-        print(f"{case.name:26s} " + " ".join(f"{r:{w}.4f}" for r, w in zip(ratios, (7, 7, 9, 10, 7, 13))))
+             (WG_M, True, True))] + [walk_cells(case.mask, 64) / area]
+        print(f"{case.name:26s} " + " ".join(f"{r:{w}.4f}" for r, w in zip(ratios, (7, 7, 9, 10, 7, 13, 8))))
     print(f"\n{'case':26s} backward (warpgroup, step) pairs fully masked")
     for case in make_cases():
         if wanted and case.name not in wanted:
