@@ -6,9 +6,9 @@
         # kernel, their sum, and what the wall clock holds beyond it: the last call's kernels with the idle
         # before each, and the host's longest events while the GPU waited for that call
     python cuda/tools/ncu_case.py varlen_swa1024_32k fwd --isolated 5 [--impl cudnn]
-        # 5 traced calls, each alone (synchronised, then a pause): per call when its first kernel starts after
-        # the host's dispatch begins, when its last ends, and when the host is awake again; the host's longest
-        # events before the first kernel
+        # 20 lone calls (each synchronised, then a pause) without the profiler: their wall time; then 5 traced:
+        # per call when its first kernel starts after the host's dispatch begins, when its last ends, and when
+        # the host is awake again; the host's longest events before the first kernel
     python cuda/tools/ncu_case.py varlen_swa1024_32k fwd --chain 10 [--impl cudnn]
         # the wall time per call of 10 separate calls against 10 calls chained inside one jit (each call's q
         # the last one's output), as a training step runs its layers: what dispatching each call costs
@@ -56,10 +56,19 @@ def chained(f, fn, a, q, k, v) -> None:
 
 
 def isolated(f, a, q, k, v) -> None:
-    """a.isolated calls, each synchronised and followed by a pause, under the profiler: where a lone call's
-    wall time goes beyond its kernels (bench/kernel.py's samples of 10 start with one such call)."""
+    """Lone calls, each synchronised and followed by a pause: 20 timed by the wall clock, then a.isolated under
+    the profiler: where a lone call's wall time goes beyond its kernels (bench/kernel.py's samples of 10 start
+    with one such call)."""
     for _ in range(2):
         jax.block_until_ready(f(q, k, v))
+    walls = []  # first without the profiler, which slows the host
+    for _ in range(20):
+        time.sleep(0.002)
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(q, k, v))
+        walls.append((time.perf_counter() - t0) * 1e6)
+    print(f"{a.case} {a.mode} {a.impl}: lone call wall, untraced: median {statistics.median(walls):.1f} us, "
+          f"min {min(walls):.1f}")
     with jax.profiler.trace(str(a.trace), create_perfetto_trace=True):
         for _ in range(a.isolated):
             time.sleep(0.002)
