@@ -36,10 +36,11 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     D and Dv (1 to 256) may differ; the kernels run 64, 128 and 256, other sizes zero-padded to the next of
     them (kernel_head_dim), at the padded size's cost.
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
-    bitwise reproducible. Under jax.vmap the calls run one batch element after another (packing the batch
-    into one varlen mask is faster). sm_margin > 0 leaves that many SMs out of the forward's persistent grid (Hopper),
-    for a collective the caller runs beside it: a persistent kernel holds every SM until it ends, so a
-    communication kernel launched after it would otherwise wait. Differentiable in q, k, v (and through lse).
+    bitwise reproducible. Under jax.vmap the batch runs as one call (its elements packed end to end, each
+    element's slices on its own tokens; keys shared by the batch are not copied). sm_margin > 0 leaves that
+    many SMs out of the forward's persistent grid (Hopper), for a collective the caller runs beside it: a
+    persistent kernel holds every SM until it ends, so a communication kernel launched after it would
+    otherwise wait. Differentiable in q, k, v (and through lse).
     Under jax.checkpoint, out and lse are saveable by name (CHECKPOINT_NAMES).
 
     Example::
@@ -200,7 +201,79 @@ def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_mar
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
-    return _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin)
+    return _packing_fwd(scale, softcap, sm_margin)(q, k, v, q_ranges, k_ranges, attn_type_map)
+
+
+# Under jax.vmap, flex_flash_attn's calls take the whole batch at once: its sequences packed end to end, each
+# element's slices moved onto its own tokens (one kernel launch instead of one per element, as a varlen mask
+# would be). The custom calls alone would run one element after another (_ffi.call's vmap_method).
+
+def _batched(x, axis_size: int, batched: bool) -> jax.Array:
+    """x with a leading batch axis (broadcast when x is the same for every element)."""
+    x = jnp.asarray(x)
+    return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+
+
+def _pack_ranges(ranges: jax.Array, tokens: int, packed: bool = True) -> jax.Array:
+    """[B, N, 2] ranges over each element's `tokens` -> [B * N, 2] over the packed sequence (packed=False:
+    over one sequence all elements share). Clamped to the element first, so that an invalid traced range
+    (unspecified results, flex_flash_attn) stays in its own element."""
+    offsets = jnp.arange(ranges.shape[0], dtype=jnp.int32)[:, None, None] * (tokens if packed else 0)
+    return (jnp.clip(ranges.astype(jnp.int32), 0, tokens) + offsets).reshape(-1, 2)
+
+
+def _pack_tokens(x: jax.Array) -> jax.Array:
+    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _unpack_tokens(x: jax.Array, axis_size: int) -> jax.Array:
+    return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+
+
+@functools.lru_cache(maxsize=None)
+def _packing_fwd(scale: float, softcap: float, sm_margin: int):
+    """The forward call over (q, k, v, q_ranges, k_ranges, types), packing a jax.vmap batch into one call.
+    Keys the batch shares (k and v unbatched: one context for every element) are not copied: each element's
+    slices index the same keys."""
+    @jax.custom_batching.custom_vmap
+    def fwd(q, k, v, q_ranges, k_ranges, types):
+        return _fwd_call(q, k, v, q_ranges, k_ranges, types, scale, softcap, sm_margin)
+
+    @fwd.def_vmap
+    def packed(axis_size, in_batched, q, k, v, q_ranges, k_ranges, types):
+        shared_keys = not (in_batched[1] or in_batched[2])
+        q = _batched(q, axis_size, in_batched[0])
+        if not shared_keys:
+            k, v = (_pack_tokens(_batched(x, axis_size, b)) for x, b in zip((k, v), in_batched[1:3]))
+        q_ranges, k_ranges, types = (_batched(x, axis_size, b) for x, b in zip((q_ranges, k_ranges, types),
+                                                                               in_batched[3:]))
+        out, lse = fwd(_pack_tokens(q), k, v, _pack_ranges(q_ranges, q.shape[1]),
+                       _pack_ranges(k_ranges, k.shape[0] // (1 if shared_keys else axis_size), not shared_keys),
+                       types.reshape(-1))
+        return (_unpack_tokens(out, axis_size), _unpack_tokens(lse, axis_size)), (True, True)
+
+    return fwd
+
+
+@functools.lru_cache(maxsize=None)
+def _packing_bwd(scale: float, softcap: float, deterministic: bool):
+    """The backward call over (q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types) -> (dq, dk, dv),
+    packing a jax.vmap batch into one call. Every element gets its own dk, dv: inputs the batch shares are
+    copied per element first (rare: vmap over cotangents alone, or over keys shared by the batch)."""
+    @jax.custom_batching.custom_vmap
+    def bwd(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types):
+        return _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types, scale, softcap,
+                         deterministic)[:3]
+
+    @bwd.def_vmap
+    def packed(axis_size, in_batched, *args):
+        q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types = (
+            _batched(x, axis_size, b) for x, b in zip(args, in_batched))
+        grads = bwd(*(_pack_tokens(x) for x in (q, k, v, out, dout, lse, dlse)),
+                    _pack_ranges(q_ranges, q.shape[1]), _pack_ranges(k_ranges, k.shape[1]), types.reshape(-1))
+        return tuple(_unpack_tokens(g, axis_size) for g in grads), (True, True, True)
+
+    return bwd
 
 
 def named_for_checkpoint(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -209,16 +282,16 @@ def named_for_checkpoint(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax
 
 
 def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
-    out, lse = named_for_checkpoint(*_fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap,
-                                               sm_margin))
+    out, lse = named_for_checkpoint(*_packing_fwd(scale, softcap, sm_margin)(q, k, v, q_ranges, k_ranges,
+                                                                            attn_type_map))
     return (out, lse), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
 
 
 def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
-    dq, dk, dv = _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap,
-                           deterministic)[:3]
+    dq, dk, dv = _packing_bwd(scale, softcap, deterministic)(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges,
+                                                            attn_type_map)
     return dq, dk, dv, None, None, None
 
 

@@ -119,6 +119,25 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
                                      as_np(jnp.concatenate([dv, dv2]))]
 
 
+def ffi_calls(fn, *args) -> dict[str, int]:
+    """How often fn calls each FFI target, counted in its jaxpr at every use of a sub-jaxpr (the printed jaxpr
+    and the lowered text name a shared sub-jaxpr, custom_vmap's for one, once however often it is called)."""
+    counts: dict[str, int] = {}
+
+    def walk(jaxpr):
+        jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "ffi_call":
+                counts[eqn.params["target_name"]] = counts.get(eqn.params["target_name"], 0) + 1
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args))
+    return counts
+
+
 def remat_grads_and_calls(loss, *args):
     """loss's gradients without jax.checkpoint and under it with the policy saving magi_jax.CHECKPOINT_NAMES,
     and the FFA forward calls of each program: without, under plain jax.checkpoint (the backward pass
@@ -128,7 +147,7 @@ def remat_grads_and_calls(loss, *args):
 
     def run(fn):
         grad = jax.grad(fn, argnums=tuple(range(len(args))))
-        return jax.jit(grad)(*args), str(jax.make_jaxpr(grad)(*args)).count("magi_jax_ffa_fwd")
+        return jax.jit(grad)(*args), ffi_calls(grad, *args).get("magi_jax_ffa_fwd", 0)
 
     want, calls = run(loss)
     remat_calls = run(jax.checkpoint(loss))[1]

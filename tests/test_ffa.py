@@ -12,8 +12,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
-from tests.conftest import (chained_dq_grads, check_against_reference, merged_forward, packed_kv_forward, random_qkv,
-                            remat_grads_and_calls, split_key_grads)
+from tests.conftest import (chained_dq_grads, check_against_reference, ffi_calls, merged_forward, packed_kv_forward,
+                            random_qkv, remat_grads_and_calls, split_key_grads)
 
 
 def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
@@ -362,7 +362,7 @@ def test_forward_prev_argument_errors():
 
 
 def test_vmap_over_a_batch_matches_a_loop():
-    # jax.vmap runs the custom calls once per batch element: the same values as a Python loop, gradients too.
+    # jax.vmap packs the batch into one call: the same values as a Python loop, gradients too.
     rng = np.random.default_rng(5)
     mask = masks.varlen_causal([20, 12])
     q, k, v = (jnp.stack(x) for x in zip(*[random_qkv(rng, 32, 32, 4, 2, 64) for _ in range(3)]))
@@ -377,6 +377,63 @@ def test_vmap_over_a_batch_matches_a_loop():
         want_g = jax.grad(loss(fn), argnums=(0, 1, 2))(q[b], k[b], v[b])
         for a, w in zip(grads, want_g):
             np.testing.assert_allclose(np.asarray(a[b]), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_packs_the_batch_into_one_call():
+    # One forward and one backward custom call for the whole batch (no loop over its elements), with a mask
+    # per element (traced ranges, batched), keys shared by the batch (in_axes None: not copied in the
+    # forward), per-element gradients (vmap of grad) and vmap inside vmap.
+    rng = np.random.default_rng(11)
+    B, T = 3, 32
+    per = [masks.varlen_causal(lens) for lens in ([20, 12], [9, 23], [32])]
+    n = max(m.q_ranges.shape[0] for m in per)
+    def padded(m, a, fill):  # to n slices: empty ones at the end
+        return np.concatenate([a, np.full((n - a.shape[0], *a.shape[1:]), fill, a.dtype)])
+    qr, kr, ty = (np.stack([padded(m, np.asarray(m.kernel_args()[i]), f) for m in per])
+                  for i, f in ((0, T), (1, T), (2, 0)))
+    q, k, v = (jnp.stack(x) for x in zip(*[random_qkv(rng, T, T, 4, 2, 64) for _ in range(B)]))
+    fn = lambda q, k, v, a, b, c: mj.flex_flash_attn(q, k, v, a, b, c)
+    loss = lambda q, k, v, a, b, c: (fn(q, k, v, a, b, c)[0] ** 2).sum()
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+
+    assert ffi_calls(jax.vmap(grad), q, k, v, qr, kr, ty) == {"magi_jax_ffa_fwd": 1, "magi_jax_ffa_bwd": 1}
+    assert "while" not in jax.jit(jax.vmap(grad)).lower(q, k, v, qr, kr, ty).as_text()
+    got, got_g = jax.jit(jax.vmap(fn))(q, k, v, qr, kr, ty), jax.jit(jax.vmap(grad))(q, k, v, qr, kr, ty)
+    for b in range(B):
+        for a, w in zip(got, fn(q[b], k[b], v[b], qr[b], kr[b], ty[b])):
+            np.testing.assert_allclose(np.asarray(a[b]), np.asarray(w), rtol=1e-6, atol=1e-6)
+        for a, w in zip(got_g, grad(q[b], k[b], v[b], qr[b], kr[b], ty[b])):
+            np.testing.assert_allclose(np.asarray(a[b]), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+    shared = jax.vmap(fn, in_axes=(0, None, None, 0, 0, 0))
+    assert ffi_calls(shared, q, k[0], v[0], qr, kr, ty) == {"magi_jax_ffa_fwd": 1}
+    got = shared(q, k[0], v[0], qr, kr, ty)
+    shared_g = jax.vmap(grad, in_axes=(0, None, None, 0, 0, 0))(q, k[0], v[0], qr, kr, ty)
+    for b in range(B):
+        np.testing.assert_allclose(np.asarray(got[0][b]), np.asarray(fn(q[b], k[0], v[0], qr[b], kr[b], ty[b])[0]),
+                                   rtol=1e-6, atol=1e-6)
+        for a, w in zip(shared_g, grad(q[b], k[0], v[0], qr[b], kr[b], ty[b])):
+            np.testing.assert_allclose(np.asarray(a[b]), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+    nested = jax.jit(jax.vmap(jax.vmap(fn, in_axes=(0, 0, 0, None, None, None)), in_axes=(0, 0, 0, 0, 0, 0)))
+    stack = lambda x: jnp.stack([x, x[::-1]], axis=1)  # [B, 2, ...]: [b, 1] is element B - 1 - b
+    got = nested(stack(q), stack(k), stack(v), qr, kr, ty)
+    np.testing.assert_allclose(np.asarray(got[0][2, 1]), np.asarray(fn(q[0], k[0], v[0], qr[2], kr[2], ty[2])[0]),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_vmap_keeps_an_invalid_traced_range_inside_its_element():
+    # Traced ranges past the sequence are clamped to it, by each element on its own: packed, a range past
+    # element 0's end must not reach element 1's tokens.
+    rng = np.random.default_rng(12)
+    q, k, v = (jnp.stack(x) for x in zip(*[random_qkv(rng, 16, 16, 2, 2, 64) for _ in range(2)]))
+    qr = np.array([[[0, 16]], [[0, 16]]], np.int32)
+    kr = np.array([[[4, 40]], [[0, 16]]], np.int32)   # element 0: keys 4..39 of a 16-key sequence
+    ty = np.zeros((2, 1), np.int32)
+    fn = jax.jit(lambda q, k, v, a, b, c: mj.flex_flash_attn(q, k, v, a, b, c)[0])
+    got = jax.vmap(fn)(q, k, v, qr, kr, ty)
+    want = fn(q[0], k[0], v[0], qr[0], np.array([[4, 16]], np.int32), ty[0])
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
 def test_dq_chain_argument_errors():
