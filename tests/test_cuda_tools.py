@@ -13,7 +13,7 @@ from power_probe import parse_samples, summarize  # noqa: E402
 from sass_path import kernel_listing, walk  # noqa: E402
 from sass_samples import instruction_class, summary  # noqa: E402
 from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
-from tile_waste import computed_cells, masked_wg_steps, walk_cells  # noqa: E402
+from tile_waste import computed_cells, masked_wg_steps, walk_cells, wg_skip_cells  # noqa: E402
 
 from magi_jax import masks  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
@@ -92,6 +92,12 @@ def test_tile_waste_counts_the_walks_cells():
     narrow = AttnMask([[0, 128]], [[0, 60]], ["full"], 128, 60)
     assert walk_cells(narrow) == 128 * 128
     assert walk_cells(narrow, 64) == 128 * 64
+    # 64-key tiles, each warpgroup passing over those its rows do not attend (wg_skip64): on the causal diagonal
+    # warpgroup 0 skips the last; on a band of 65 keys (bi-causal) warpgroup 1 the first, warpgroup 0 the last.
+    assert wg_skip_cells(causal) == 3 * 64 * 64
+    band = AttnMask([[0, 128]], [[0, 192]], ["bi_causal"], 128, 192)
+    assert walk_cells(band, 64) == 3 * 128 * 64
+    assert wg_skip_cells(band) == 4 * 64 * 64
 
 
 def test_masked_wg_steps_counts_the_backward_pairs_no_row_of_which_attends():

@@ -46,28 +46,33 @@ def row_span(q: tuple[int, int], k: tuple[int, int], t: AttnMaskType, cb: int, c
     return lo, hi
 
 
-def fwd_groups(mask: AttnMask, block_n: int) -> dict[int, list[tuple[int, int]]]:
-    """The key spans [c0, ke) that each q block of BLOCK_M rows walks (scheduler_sm90.h FwdStepFrom): a group
-    of consecutive slices whose rows in the block are disjoint and ascending and whose key spans lie less than
-    a tile apart is walked once, over the union of its spans."""
-    walks: dict[int, list[tuple[int, int]]] = {}
+def fwd_group_slices(mask: AttnMask, block_n: int) -> dict[int, list[tuple[int, int, list[int]]]]:
+    """The groups each q block of BLOCK_M rows walks (scheduler_sm90.h FwdStepFrom), as (c0, ke, slice
+    indices): a group of consecutive slices whose rows in the block are disjoint and ascending and whose key
+    spans lie less than a tile apart is walked once, over the union [c0, ke) of its spans."""
+    walks: dict[int, list[tuple[int, int, list[int]]]] = {}
     for b in range(-(-mask.total_seqlen_q // BLOCK_M)):
         r0, r1 = b * BLOCK_M, (b + 1) * BLOCK_M
-        group = None  # [rows end, c0, ke]
-        for q, k, t in zip(mask.q_ranges, mask.k_ranges, mask.types):
+        group = None  # [rows end, c0, ke, slices]
+        for i, (q, k, t) in enumerate(zip(mask.q_ranges, mask.k_ranges, mask.types)):
             rb, re = max(q[0], r0), min(q[1], r1)
             if rb >= re or k[0] >= k[1]:
                 continue  # not in the block's list (block_lists.h AxisRange: a slice with cells here)
             lo, hi = key_span(q, k, t, rb, re)
             if group and rb >= group[0] and lo < hi and lo < group[2] + block_n and hi > group[1] - block_n:
-                group = [re, min(group[1], lo), max(group[2], hi)]
+                group = [re, min(group[1], lo), max(group[2], hi), group[3] + [i]]
                 continue
             if group:
-                walks.setdefault(b, []).append((group[1], group[2]))
-            group = [re, lo, hi] if lo < hi else None
+                walks.setdefault(b, []).append((group[1], group[2], group[3]))
+            group = [re, lo, hi, [i]] if lo < hi else None
         if group:
-            walks.setdefault(b, []).append((group[1], group[2]))
+            walks.setdefault(b, []).append((group[1], group[2], group[3]))
     return walks
+
+
+def fwd_groups(mask: AttnMask, block_n: int) -> dict[int, list[tuple[int, int]]]:
+    """The key spans [c0, ke) that each q block walks: fwd_group_slices without the slices."""
+    return {b: [(c0, ke) for c0, ke, _ in groups] for b, groups in fwd_group_slices(mask, block_n).items()}
 
 
 def block_work(mask: AttnMask, block_n: int) -> np.ndarray:
