@@ -243,13 +243,16 @@ def _packing_fwd(scale: float, softcap: float, sm_margin: int):
     def packed(axis_size, in_batched, q, k, v, q_ranges, k_ranges, types):
         shared_keys = not (in_batched[1] or in_batched[2])
         q = _batched(q, axis_size, in_batched[0])
+        if axis_size == 0:
+            empty = (jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), jnp.zeros(q.shape[:-1], jnp.float32))
+            return empty, (True, True)
+        tk = k.shape[0] if shared_keys else k.shape[-3]
         if not shared_keys:
             k, v = (_pack_tokens(_batched(x, axis_size, b)) for x, b in zip((k, v), in_batched[1:3]))
         q_ranges, k_ranges, types = (_batched(x, axis_size, b) for x, b in zip((q_ranges, k_ranges, types),
                                                                                in_batched[3:]))
         out, lse = fwd(_pack_tokens(q), k, v, _pack_ranges(q_ranges, q.shape[1]),
-                       _pack_ranges(k_ranges, k.shape[0] // (1 if shared_keys else axis_size), not shared_keys),
-                       types.reshape(-1))
+                       _pack_ranges(k_ranges, tk, not shared_keys), types.reshape(-1))
         return (_unpack_tokens(out, axis_size), _unpack_tokens(lse, axis_size)), (True, True)
 
     return fwd
@@ -269,6 +272,8 @@ def _packing_bwd(scale: float, softcap: float, deterministic: bool):
     def packed(axis_size, in_batched, *args):
         q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types = (
             _batched(x, axis_size, b) for x, b in zip(args, in_batched))
+        if axis_size == 0:
+            return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), (True, True, True)
         grads = bwd(*(_pack_tokens(x) for x in (q, k, v, out, dout, lse, dlse)),
                     _pack_ranges(q_ranges, q.shape[1]), _pack_ranges(k_ranges, k.shape[1]), types.reshape(-1))
         return tuple(_unpack_tokens(g, axis_size) for g in grads), (True, True, True)

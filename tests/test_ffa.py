@@ -422,6 +422,20 @@ def test_vmap_packs_the_batch_into_one_call():
                                rtol=1e-6, atol=1e-6)
 
 
+def test_vmap_over_an_empty_batch_and_shared_keys_of_another_length():
+    # A batch of no elements gives empty results (no call); keys shared by the batch (cross attention, Tk != Tq)
+    # are indexed by every element's slices as they are.
+    rng = np.random.default_rng(13)
+    q, k, v = random_qkv(rng, 32, 48, 2, 2, 64)
+    qr, kr, ty = np.array([[0, 16], [16, 32]], np.int32), np.array([[0, 8], [8, 48]], np.int32), np.array([0, 1])
+    fn = lambda q: mj.flex_flash_attn(q, k, v, qr, kr, ty.astype(np.int32))[0]
+    assert jax.vmap(fn)(jnp.zeros((0, 32, 2, 64), q.dtype)).shape == (0, 32, 2, 64)
+    qs = jnp.stack([q, q[::-1]])
+    got = jax.vmap(fn)(qs)
+    for b in range(2):
+        np.testing.assert_allclose(np.asarray(got[b]), np.asarray(fn(qs[b])), rtol=1e-6, atol=1e-6)
+
+
 def test_vmap_keeps_an_invalid_traced_range_inside_its_element():
     # Traced ranges past the sequence are clamped to it, by each element on its own: packed, a range past
     # element 0's end must not reach element 1's tokens.
