@@ -68,6 +68,22 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     return drop_head_dim_padding(out, head_dim_v), lse
 
 
+def with_sinks(out: jax.Array, lse: jax.Array, sinks) -> tuple[jax.Array, jax.Array]:
+    """out and lse of the same attention with one more logit per head in every row's softmax, a learned sink
+    (as in gpt-oss) whose value is zero: each row's weights shrink by exp(lse) / (exp(lse) + exp(sink)).
+    out [..., Hq, Dv] and lse [..., Hq] as flex_flash_attn or calc_attn return them; sinks [Hq], in the
+    logits' units (after softmax_scale). Rows with no key stay 0 (their lse becomes the sink).
+    Differentiable in all three: the kernels' backward takes the gradient that reaches lse."""
+    sinks = jnp.asarray(sinks)
+    if sinks.shape != lse.shape[-1:]:
+        raise ValueError(f"sinks: expected one per head, shape ({lse.shape[-1]},), got {sinks.shape}")
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks: expected floats, got {sinks.dtype}")
+    sinks = sinks.astype(jnp.float32)
+    kept = jax.nn.sigmoid(lse - sinks)  # exp(lse) / (exp(lse) + exp(sink)): 0 where lse is -inf
+    return (out.astype(jnp.float32) * kept[..., None]).astype(out.dtype), jnp.logaddexp(lse, sinks)
+
+
 def kernel_head_dim(head_dim: int, head_dim_v: int) -> int:
     """The kernels' head dim for q, k of head_dim and v of head_dim_v: the least of SUPPORTED_HEAD_DIMS that
     holds both."""

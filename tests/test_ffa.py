@@ -12,8 +12,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
-from tests.conftest import (chained_dq_grads, check_against_reference, ffi_calls, merged_forward, packed_kv_forward,
-                            random_qkv, remat_grads_and_calls, split_key_grads)
+from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, ffi_calls, merged_forward,
+                            packed_kv_forward, random_qkv, remat_grads_and_calls, split_key_grads)
 
 
 def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
@@ -448,6 +448,50 @@ def test_vmap_keeps_an_invalid_traced_range_inside_its_element():
     got = jax.vmap(fn)(q, k, v, qr, kr, ty)
     want = fn(q[0], k[0], v[0], qr[0], np.array([[4, 16]], np.int32), ty[0])
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def _dense_with_sinks(q, k, v, visible, sinks, xp):
+    """Dense attention whose every row's softmax also counts its head's sink logit (value zero): the
+    reference of with_sinks, in numpy float64 (xp=np) or in jnp at the inputs' dtype (differentiable)."""
+    hq, d = q.shape[1], q.shape[2]
+    k, v = (xp.repeat(x, hq // x.shape[1], axis=1) for x in (k, v))
+    logits = xp.where(visible[None], xp.einsum("qhd,khd->hqk", q, k) * d ** -0.5, -xp.inf)
+    sink = xp.broadcast_to(sinks[:, None, None], (hq, q.shape[0], 1)).astype(logits.dtype)
+    full = xp.concatenate([logits, sink], axis=-1)
+    top = full.max(axis=-1, keepdims=True)
+    top = jax.lax.stop_gradient(top) if xp is jnp else top
+    e = xp.exp(full - top)
+    denom = e.sum(axis=-1)
+    out = xp.einsum("hqk,khd->qhd", e[..., :-1], v) / denom.T[..., None]
+    return out, (top[..., 0] + xp.log(denom)).T
+
+
+def test_with_sinks_is_attention_with_a_sink_logit_per_head():
+    # Against dense attention with one more logit per head (value zero): forward by the tolerance rule, rows
+    # without keys included (out 0, lse the sink); gradients of q, k, v and the sinks against its autodiff.
+    rng = np.random.default_rng(14)
+    mask = AttnMask([[0, 20], [24, 40]], [[0, 20], [10, 40]], ["causal", "full"], 40, 40)  # rows 20-23: none
+    q, k, v = random_qkv(rng, 40, 40, 4, 2, 64)
+    sinks = jnp.asarray(rng.standard_normal(4).astype(np.float32))
+    visible = mask.to_dense() > 0
+    fn = lambda q, k, v, s: mj.with_sinks(*mj.flex_flash_attn(q, k, v, mask=mask), s)
+    dense = lambda q, k, v, s: _dense_with_sinks(q, k, v, jnp.asarray(visible), s, jnp)
+    got = fn(q, k, v, sinks)
+    ref64 = _dense_with_sinks(*(np.asarray(x, np.float64) for x in (q, k, v)), visible,
+                              np.asarray(sinks, np.float64), np)
+    for name, g, r, l in zip(("out", "lse"), got, ref64, dense(q, k, v, sinks)):
+        assert_within_rule(name, g, r, l)
+    np.testing.assert_array_equal(np.asarray(got[0][20:24]), 0)
+    np.testing.assert_allclose(np.asarray(got[1][20:24]), np.broadcast_to(np.asarray(sinks), (4, 4)), rtol=1e-6)
+    w = jnp.asarray(rng.standard_normal(got[0].shape).astype(np.float32))
+    loss = lambda f: lambda *a: (f(*a)[0] * w).sum() + (f(*a)[1] * w[..., 0]).sum()
+    for a, b in zip(jax.grad(loss(fn), argnums=(0, 1, 2, 3))(q, k, v, sinks),
+                    jax.grad(loss(dense), argnums=(0, 1, 2, 3))(q, k, v, sinks)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="^sinks: expected one per head"):
+        mj.with_sinks(*got, sinks[:3])
+    with pytest.raises(ValueError, match="^sinks: expected floats"):
+        mj.with_sinks(*got, np.arange(4))
 
 
 def test_dq_chain_argument_errors():
