@@ -9,6 +9,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda" / "tools"))
+from ncu_csv import kept, launches  # noqa: E402
 from power_probe import parse_samples, summarize  # noqa: E402
 from sass_path import kernel_listing, walk  # noqa: E402
 from sass_samples import instruction_class, summary  # noqa: E402
@@ -152,3 +153,19 @@ def test_sass_path_counts_a_loops_instructions_and_taken_branches():
     assert [b[2] for b in fall["branches"]] == ["N", "N", "T"]
     short = walk(listing, 0x10, "N")  # decisions run out at the second predicated branch
     assert not short["closed"] and short["branches"][-1] == (0x50, "@!P1 BRA P2, 0x10", "?")
+
+
+def test_ncu_csv_keeps_every_third_launch_of_several_cases():
+    # ncu --csv: a row per (launch, metric), between ==PROF== lines and the program's own output; two cases of
+    # three calls each in one process: the third and the sixth launch are the measured ones.
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    rows = [f'"{i}","7","python3","h","FlashFwdSm90Kernel","1","13","(384, 1, 1)","(132, 1, 1)","0","9.0",'
+            f'"Command line profiler metrics","{name}","{unit}","{value}"'
+            for i in range(6) for name, unit, value in (("sm__cycles_elapsed.max", "cycle", f"{1000 + i},123"),
+                                                        ("smsp__inst_executed.sum", "inst", str(50 + i)))]
+    text = "\n".join(["==PROF== Connected to process 7", "causal_32k fwd: 3 calls done", header, *rows,
+                      "==PROF== Disconnected from process 7"])
+    got = kept(launches(text), 3)
+    assert got == [{"sm__cycles_elapsed.max": "1002123", "smsp__inst_executed.sum": "52"},
+                   {"sm__cycles_elapsed.max": "1005123", "smsp__inst_executed.sum": "55"}]

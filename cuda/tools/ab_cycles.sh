@@ -1,7 +1,7 @@
 #!/bin/bash
 # A/B of source trees by one kernel's cycles (Nsight Compute): each tree is built in turn (pip install -e),
 # optionally tested, then per case the kernel's elapsed cycles (sm__cycles_elapsed.max) and instructions
-# executed in one call (the third: ncu_case.py makes three). Cycles repeat to a fraction of a percent from
+# executed in one call (the third: ncu_case.py makes three of each case, all cases in one process). Cycles repeat to a fraction of a percent from
 # call to call where the wall clock cannot tell 2-4% (cuda/NOTES.md, "Groups of slices in the forward").
 # The clocks are left as they are (--clock-control none: the device README asks for it).
 #   bash cuda/tools/ab_cycles.sh .snap_a .snap_b "causal_32k varlen_swa1024_32k"   # from the repo root
@@ -27,13 +27,13 @@ for tree in "${@:1:$#-1}"; do
       > "$OUT/cyc_${name}_tests.log" 2>&1
     echo "$tree tests: rc $? $(tail -1 "$OUT/cyc_${name}_tests.log")"
   fi
-  for c in $CASES; do
-    # Under a limit: a build that hangs (a barrier count wrong) costs a minute here, not the whole call.
-    timeout "${AB_NCU_TIMEOUT:-70}" ncu --clock-control none --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum \
-      --csv -k "regex:${AB_KERNEL:-FlashFwdSm90Kernel}" --launch-skip 2 --launch-count 1 \
-      python3 cuda/tools/ncu_case.py "$c" "${AB_MODE:-fwd}" > /tmp/cyc.csv 2>&1
-    rc=$?
-    metric() { grep "\"$1\"" /tmp/cyc.csv | tail -1 | awk -F'","' '{print $NF}' | tr -d '",'; }
-    echo "| $name | $c | $(metric sm__cycles_elapsed.max) | $(metric smsp__inst_executed.sum) |$([ $rc = 0 ] || echo " rc $rc$([ $rc = 124 ] && echo ': TIMED OUT (a hang?)')")" | tee -a "$OUT/cycles.md"
-  done
+  # Every case in one process (ncu_case.py calls each three times; the third is measured): one process start
+  # per tree. Under a limit per case: a build that hangs (a barrier count wrong) costs a minute, not the call.
+  n=$(echo $CASES | wc -w)
+  timeout $(( ${AB_NCU_TIMEOUT:-70} * n )) ncu --clock-control none \
+    --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum --csv -k "regex:${AB_KERNEL:-FlashFwdSm90Kernel}" \
+    python3 cuda/tools/ncu_case.py $CASES "${AB_MODE:-fwd}" > /tmp/cyc.csv 2>&1
+  rc=$?
+  python3 cuda/tools/ncu_csv.py /tmp/cyc.csv --every 3 --labels $CASES | sed "s/^| /| $name | /" | tee -a "$OUT/cycles.md"
+  [ $rc = 0 ] || echo "| $name | rc $rc$([ $rc = 124 ] && echo ': TIMED OUT (a hang?)') | | |" | tee -a "$OUT/cycles.md"
 done

@@ -1,6 +1,9 @@
-"""One bench/kernel.py case through FFA, for Nsight Compute or a jax.profiler trace.
+"""bench/kernel.py cases through FFA, for Nsight Compute or a jax.profiler trace.
 
     python cuda/tools/ncu_case.py causal_32k fwd            # 3 calls (ncu_profile.sh skips the first two)
+    python cuda/tools/ncu_case.py causal_32k varlen_swa1024_32k fwd
+        # each case's 3 calls in turn, in one process: under ncu, every third launch is a case's measured one
+        # (cuda/tools/ncu_csv.py --every 3), without a process start per case
     python cuda/tools/ncu_case.py causal_32k fwd --trace /tmp/t [--impl cudnn]
         # 10 timed calls (wall clock, as bench/kernel.py), then 10 traced: the GPU time per call of each
         # kernel, their sum, and what the wall clock holds beyond it: the last call's kernels with the idle
@@ -96,17 +99,31 @@ def isolated(f, a, q, k, v) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("case")
+    ap.add_argument("cases", nargs="+", help="bench/kernel.py case names (several: plain calls only)")
     ap.add_argument("mode", choices=["fwd", "fwd+bwd"])
     ap.add_argument("--impl", default="ffa", help="ffa, or a baseline of the case (cudnn)")
     ap.add_argument("--trace", type=pathlib.Path, default=None)
     ap.add_argument("--chain", type=int, default=0, help="compare N separate calls with N chained in one jit")
     ap.add_argument("--isolated", type=int, default=0, help="trace N lone calls (needs --trace DIR)")
     a = ap.parse_args()
-    case = next(c for c in bench.make_cases() if c.name == a.case)
-    q, k, v = bench.case_inputs(case)
-    fn = bench.ffa(case.mask) if a.impl == "ffa" else case.baselines[a.impl]()
-    f = bench.jitted(fn, a.mode)
+    cases = {c.name: c for c in bench.make_cases()}
+    if len(a.cases) > 1 and (a.trace or a.chain or a.isolated):
+        ap.error("--trace, --chain and --isolated take one case")
+
+    def prepared(name: str):
+        case = cases[name]
+        fn = bench.ffa(case.mask) if a.impl == "ffa" else case.baselines[a.impl]()
+        return fn, bench.jitted(fn, a.mode), bench.case_inputs(case)
+
+    if len(a.cases) > 1:
+        for name in a.cases:
+            _, f, args = prepared(name)
+            for _ in range(3):
+                jax.block_until_ready(f(*args))
+            print(f"{name} {a.mode}: 3 calls done")
+        return
+    a.case = a.cases[0]
+    fn, f, (q, k, v) = prepared(a.case)
     if a.chain:
         chained(f, fn, a, q, k, v)
         return
