@@ -75,12 +75,12 @@ def walk_cells(mask: AttnMask, block_n: int = BLOCK_N) -> int:
                    for c0, ke in spans)) * block_n * BLOCK_M
 
 
-def wg_skip_cells(mask: AttnMask, block_n: int = 64, stages: int = 4) -> int:
-    """Cells computed by the walk of cuda/experiments/fwd_wg_skip.patch: 64-key tiles of the kernel's groups,
-    each warpgroup passing over the tiles that none of its 64 rows attends (outside the union of its rows' key
-    spans in the group), where it can: a tile's first only when its first group is one slice, never the first
-    group's last, never more than stages - 1 in a row (the V of its last computed tile is still held)."""
-    cells = 0
+def wg_skip_walk(mask: AttnMask, block_n: int = 64, stages: int = 4):
+    """The walk of cuda/experiments/fwd_wg_skip.patch, as (first row of a warpgroup, first key of a tile,
+    computed, the group's slice indices) for every warpgroup and key tile: 64-key tiles of the kernel's groups, each warpgroup passing
+    over the tiles that none of its 64 rows attends (outside the union of its rows' key spans in the group),
+    where it can: a tile's first only when its first group is one slice, never the first group's last, never
+    more than stages - 1 in a row (the V of its last computed tile is still held)."""
     for b, groups in fwd_group_slices(mask, block_n).items():
         for r0 in range(b * BLOCK_M, (b + 1) * BLOCK_M, WG_M):
             run = 0  # tiles passed over in a row
@@ -99,15 +99,34 @@ def wg_skip_cells(mask: AttnMask, block_n: int = 64, stages: int = 4) -> int:
                     lead = min((lo - c0) // block_n if lo < hi else n, n - 1, stages - 1)
                 for j in range(n):
                     c = c0 + j * block_n
-                    first = g == 0 and j == lead
-                    if j < lead and g == 0:
-                        run += 1
-                    elif first or (lo < hi and c < hi and c + block_n > lo) or run == stages - 1:
-                        cells += block_n * WG_M
-                        run = 0
+                    if g == 0 and j < lead:
+                        computed = False
                     else:
-                        run += 1
-    return cells
+                        computed = (g == 0 and j == lead) or (lo < hi and c < hi and c + block_n > lo) or \
+                            run == stages - 1
+                    run = 0 if computed else run + 1
+                    yield r0, c, computed, tuple(slices)
+
+
+def wg_skip_cells(mask: AttnMask, block_n: int = 64, stages: int = 4) -> int:
+    """Cells computed by wg_skip_walk's walk."""
+    return sum(block_n * WG_M for _, _, computed, _ in wg_skip_walk(mask, block_n, stages) if computed)
+
+
+def wg_skip_misses(mask: AttnMask, block_n: int = 64) -> int:
+    """Cells of a group's slices that a warpgroup's rows attend in the tiles wg_skip_walk passes over for
+    that group: 0, or the skips would change results (a group computes its own slices' cells only)."""
+    dense = {}
+    misses = 0
+    for r0, c, computed, slices in wg_skip_walk(mask, block_n):
+        if computed:
+            continue
+        if slices not in dense:
+            dense[slices] = AttnMask(mask.q_ranges[list(slices)], mask.k_ranges[list(slices)],
+                                     [mask.types[i] for i in slices], mask.total_seqlen_q,
+                                     mask.total_seqlen_k).to_dense() > 0
+        misses += int(dense[slices][r0:r0 + WG_M, c:c + block_n].sum())
+    return misses
 
 
 def masked_wg_steps(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> tuple[int, int]:
