@@ -74,6 +74,8 @@ def with_sinks(out: jax.Array, lse: jax.Array, sinks) -> tuple[jax.Array, jax.Ar
     out [..., Hq, Dv] and lse [..., Hq] as flex_flash_attn or calc_attn return them; sinks [Hq], in the
     logits' units (after softmax_scale). Rows with no key stay 0 (their lse becomes the sink).
     Differentiable in all three: the kernels' backward takes the gradient that reaches lse."""
+    if lse.shape != out.shape[:-1]:
+        raise ValueError(f"lse: expected out's shape without its last axis, {out.shape[:-1]}, got {lse.shape}")
     sinks = jnp.asarray(sinks)
     if sinks.shape != lse.shape[-1:]:
         raise ValueError(f"sinks: expected one per head, shape ({lse.shape[-1]},), got {sinks.shape}")

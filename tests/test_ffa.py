@@ -492,6 +492,8 @@ def test_with_sinks_is_attention_with_a_sink_logit_per_head():
         mj.with_sinks(*got, sinks[:3])
     with pytest.raises(ValueError, match="^sinks: expected floats"):
         mj.with_sinks(*got, np.arange(4))
+    with pytest.raises(ValueError, match="^lse: expected out's shape"):
+        mj.with_sinks(got[0], got[1][:, :2], sinks)
 
 
 def test_dq_chain_argument_errors():
