@@ -7,8 +7,9 @@ where v's head dim differs), forward+backward 3.5x that (DESIGN.md section 5). F
 of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
 `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run), `ffa_nn` the same
 kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids as constants: slices built on
-the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included), `jax_nn`
-jax.nn.dot_product_attention itself (cuDNN) on the batch of causal_4k_x8. Every implementation's
+the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included), `ffa_vmap`
+flex_flash_attn under jax.vmap over causal_4k_x8's batch (one causal mask per element, packed into one call
+by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch. Every implementation's
 output (and dq) is compared with FFA's before it is timed. The last lines check the targets of the speed
 issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
@@ -143,6 +144,15 @@ def ffa_nn(batch: int = 1, lens: list[int] | None = None, traced: bool = False, 
     return fn
 
 
+def ffa_vmap(batch: int, mask: AttnMask) -> Callable:
+    """flex_flash_attn under jax.vmap over the case's tokens as [batch, T / batch], each element `mask`."""
+    attn = jax.vmap(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0])
+
+    def fn(q, k, v):
+        return attn(*(as_batch(x, batch) for x in (q, k, v))).reshape(q.shape)
+    return fn
+
+
 def cudnn_dense_causal(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
@@ -240,6 +250,7 @@ def make_cases() -> list[Case]:
         "tokamax": lambda: tokamax(k_start=np.repeat(np.arange(8) * 4096, 4096), is_causal=True),
         "ffa_nn": lambda: ffa_nn(batch=8, is_causal=True),
         "ffa_nn_traced": lambda: ffa_nn(batch=8, is_causal=True, traced=True),
+        "ffa_vmap": lambda: ffa_vmap(8, masks.causal(4096)),
         "jax_nn": lambda: jax_nn_batched(8)}))
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
@@ -360,7 +371,7 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "ffa_nn_traced", "jax_nn", "cudnn", "tokamax", "xla_dense")
+           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "jax_nn", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:

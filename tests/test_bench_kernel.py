@@ -130,8 +130,8 @@ def test_table_has_a_column_and_a_ratio_per_ffa_variant(kernel_bench):
 
 @pytest.mark.parametrize("case_name", ["varlen_causal_32k", "varlen_swa1024_32k", "causal_4k_x8"])
 def test_drop_in_baselines_compute_the_cases_mask(kernel_bench, case_name):
-    """The ffa_nn columns (bench/kernel.py's baselines built lazily from closures) attend the case's own mask:
-    on the CPU, one head of 64, against FFA on the case's AttnMask."""
+    """The ffa_nn and ffa_vmap columns (bench/kernel.py's baselines built lazily from closures) attend the
+    case's own mask: on the CPU, one head of 64, against FFA on the case's AttnMask."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -141,7 +141,9 @@ def test_drop_in_baselines_compute_the_cases_mask(kernel_bench, case_name):
     t = case.mask.total_seqlen_q
     q, k, v = (jnp.asarray(rng.standard_normal((1, t, 1, 64)), jnp.float32) for _ in range(3))
     want = np.asarray(kernel_bench.ffa(case.mask)(q, k, v))
-    for impl in ("ffa_nn", "ffa_nn_traced"):
+    for impl in ("ffa_nn", "ffa_nn_traced", "ffa_vmap"):
+        if impl not in case.baselines:
+            continue
         got = np.asarray(jax.jit(case.baselines[impl]())(q, k, v))
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
 
