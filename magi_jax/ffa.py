@@ -240,7 +240,8 @@ def _pack_ranges(ranges: jax.Array, tokens: int, packed: bool = True) -> jax.Arr
     return (jnp.clip(ranges.astype(jnp.int32), 0, tokens) + offsets).reshape(-1, 2)
 
 
-def _pack_tokens(x: jax.Array) -> jax.Array:
+def pack_tokens(x: jax.Array) -> jax.Array:
+    """[B, T, ...] -> [B * T, ...]: a batch's sequences end to end, as the kernels take them."""
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
@@ -264,12 +265,12 @@ def _packing_fwd(scale: float, softcap: float, sm_margin: int):
         if axis_size == 0:
             empty = (jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), jnp.zeros(q.shape[:-1], jnp.float32))
             return empty, (True, True)
-        tk = k.shape[0] if shared_keys else k.shape[-3]
+        tk = k.shape[-3]  # [Tk, Hkv, D], or [B, Tk, Hkv, D] when batched
         if not shared_keys:
-            k, v = (_pack_tokens(_batched(x, axis_size, b)) for x, b in zip((k, v), in_batched[1:3]))
+            k, v = (pack_tokens(_batched(x, axis_size, b)) for x, b in zip((k, v), in_batched[1:3]))
         q_ranges, k_ranges, types = (_batched(x, axis_size, b) for x, b in zip((q_ranges, k_ranges, types),
                                                                                in_batched[3:]))
-        out, lse = fwd(_pack_tokens(q), k, v, _pack_ranges(q_ranges, q.shape[1]),
+        out, lse = fwd(pack_tokens(q), k, v, _pack_ranges(q_ranges, q.shape[1]),
                        _pack_ranges(k_ranges, tk, not shared_keys), types.reshape(-1))
         return (_unpack_tokens(out, axis_size), _unpack_tokens(lse, axis_size)), (True, True)
 
@@ -292,7 +293,7 @@ def _packing_bwd(scale: float, softcap: float, deterministic: bool):
             _batched(x, axis_size, b) for x, b in zip(args, in_batched))
         if axis_size == 0:
             return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), (True, True, True)
-        grads = bwd(*(_pack_tokens(x) for x in (q, k, v, out, dout, lse, dlse)),
+        grads = bwd(*(pack_tokens(x) for x in (q, k, v, out, dout, lse, dlse)),
                     _pack_ranges(q_ranges, q.shape[1]), _pack_ranges(k_ranges, k.shape[1]), types.reshape(-1))
         return tuple(_unpack_tokens(g, axis_size) for g in grads), (True, True, True)
 

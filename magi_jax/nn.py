@@ -54,9 +54,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     q_ranges, k_ranges, types, overflow = mask_slices(B, T, S, is_causal, local_window_size, query_seq_lengths,
                                                       key_value_seq_lengths, segment_ids, max_segments, unbatched)
-    flat = lambda x: x.reshape(B * x.shape[1], *x.shape[2:])
-    out, lse = ffa.flex_flash_attn(flat(q), flat(k), flat(v), q_ranges, k_ranges, types, softmax_scale=scale,
-                                   softcap=softcap, deterministic=deterministic)
+    out, lse = ffa.flex_flash_attn(*(ffa.pack_tokens(x) for x in (q, k, v)), q_ranges, k_ranges, types,
+                                   softmax_scale=scale, softcap=softcap, deterministic=deterministic)
     if overflow is not None:
         # NaN everywhere when a sequence overflows, added as a constant outside the gradient: one elementwise
         # pass in the forward (fused into a consumer where XLA can), nothing in the backward. Cheaper on paper,
