@@ -1,8 +1,9 @@
 #!/bin/bash
 # A/B of source trees by one kernel's cycles (Nsight Compute): each tree is built in turn (pip install -e),
 # optionally tested, then per case the kernel's elapsed cycles (sm__cycles_elapsed.max) and instructions
-# executed in one call (the third: ncu_case.py makes three of each case, all cases in one process). Cycles repeat to a fraction of a percent from
-# call to call where the wall clock cannot tell 2-4% (cuda/NOTES.md, "Groups of slices in the forward").
+# executed in one call (the third: ncu_case.py makes three of each case, all cases in one process). Cycles
+# repeat to a fraction of a percent from call to call where the wall clock cannot tell 2-4% (cuda/NOTES.md,
+# "Groups of slices in the forward").
 # The clocks are left as they are (--clock-control none: the device README asks for it).
 #   bash cuda/tools/ab_cycles.sh .snap_a .snap_b "causal_32k varlen_swa1024_32k"   # from the repo root
 # Knobs: AB_KERNEL (ncu -k regex, default FlashFwdSm90Kernel), AB_MODE (fwd or fwd+bwd, default fwd),
@@ -34,6 +35,7 @@ for tree in "${@:1:$#-1}"; do
     --metrics sm__cycles_elapsed.max,smsp__inst_executed.sum --csv -k "regex:${AB_KERNEL:-FlashFwdSm90Kernel}" \
     python3 cuda/tools/ncu_case.py $CASES "${AB_MODE:-fwd}" > /tmp/cyc.csv 2>&1
   rc=$?
-  python3 cuda/tools/ncu_csv.py /tmp/cyc.csv --every 3 --labels $CASES | sed "s/^| /| $name | /" | tee -a "$OUT/cycles.md"
+  python3 cuda/tools/ncu_csv.py /tmp/cyc.csv --every 3 --labels $CASES | sed "s/^| /| $name | /" \
+    | tee -a "$OUT/cycles.md"
   [ $rc = 0 ] || echo "| $name | rc $rc$([ $rc = 124 ] && echo ': TIMED OUT (a hang?)') | | |" | tee -a "$OUT/cycles.md"
 done

@@ -77,10 +77,11 @@ def walk_cells(mask: AttnMask, block_n: int = BLOCK_N) -> int:
 
 def wg_skip_walk(mask: AttnMask, block_n: int = 64, stages: int = 4):
     """The walk of cuda/experiments/fwd_wg_skip.patch, as (first row of a warpgroup, first key of a tile,
-    computed, the group's slice indices) for every warpgroup and key tile: 64-key tiles of the kernel's groups, each warpgroup passing
-    over the tiles that none of its 64 rows attends (outside the union of its rows' key spans in the group),
-    where it can: a tile's first only when its first group is one slice, never the first group's last, never
-    more than stages - 1 in a row (the V of its last computed tile is still held)."""
+    computed, the group's slice indices) for every warpgroup and key tile: 64-key tiles of the kernel's
+    groups, each warpgroup passing over the tiles that none of its 64 rows attends (outside the union of its
+    rows' key spans in the group), where it can: a tile's first only when its first group is one slice, never
+    the first group's last, never more than stages - 1 in a row (the V of its last computed tile is still
+    held)."""
     for b, groups in fwd_group_slices(mask, block_n).items():
         for r0 in range(b * BLOCK_M, (b + 1) * BLOCK_M, WG_M):
             run = 0  # tiles passed over in a row
