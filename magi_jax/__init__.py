@@ -1,6 +1,7 @@
 """magi_jax: flexible-mask (MagiAttention-style) attention for JAX, on one device and over many."""
 
 from magi_jax import masks
+from magi_jax._ffi import EXPORT_DISABLED_CHECKS
 from magi_jax.dist_attn import (MeshPlan, PlanTables, calc_attn, calc_attn_local, dispatch, plan, plan_tables,
                                 position_ids, undispatch)
 from magi_jax.ffa import CHECKPOINT_NAMES, flex_flash_attn, with_sinks
@@ -10,4 +11,4 @@ from magi_jax.planner import PlanCapacity
 
 __all__ = ["AttnMask", "AttnMaskType", "flex_flash_attn", "masks", "MeshPlan", "plan", "dispatch", "undispatch",
            "position_ids", "calc_attn", "calc_attn_local", "PlanCapacity", "PlanTables", "plan_tables",
-           "CHECKPOINT_NAMES", "dot_product_attention", "with_sinks"]
+           "CHECKPOINT_NAMES", "dot_product_attention", "with_sinks", "EXPORT_DISABLED_CHECKS"]

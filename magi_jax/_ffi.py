@@ -24,6 +24,10 @@ CUDA_SYMBOLS = {FFA_FWD: "MagiFfaFwdCuda", FFA_BWD: "MagiFfaBwdCuda", RANGE_GATH
                 RANGE_SCATTER_ADD_INTO: "MagiRangeScatterAddIntoCuda"}
 CUDA_LIBRARY = "libmagi_jax_cuda.so"
 
+# jax.export refuses custom calls that promise no compatibility across versions, and these promise none:
+# a function exported with these checks disabled runs where the same magi_jax version is imported.
+EXPORT_DISABLED_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(name) for name in CUDA_SYMBOLS)
+
 # The CUDA kernels' switch, read by the handlers at every call: unset or "sm90" the TMA + wgmma kernels,
 # "mma" the mma.sync ones (cuda/handlers.cu).
 KERNEL_ENV = "MAGI_JAX_FFA_KERNEL"

@@ -111,6 +111,22 @@ def test_vmap_packs_the_batch_on_the_gpu():
     check_against_reference(jax.jit(first_of_batch), mask, *batch[0], rng)
 
 
+def test_exported_call_gives_the_direct_calls_bits():
+    # jax.export with mj.EXPORT_DISABLED_CHECKS, lowered for both platforms: on the GPU the exported forward
+    # and deterministic gradients are bitwise those of the direct call.
+    mask = masks.varlen_causal([300, 212])
+    q, k, v = random_qkv(np.random.default_rng(22), 512, 512, 4, 2, 128, jnp.bfloat16)
+
+    def loss(q, k, v):
+        out, lse = mj.flex_flash_attn(q, k, v, mask=mask, deterministic=True)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(lse)
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    exported = jax.export.export(fn, disabled_checks=mj.EXPORT_DISABLED_CHECKS, platforms=("cpu", "cuda"))
+    for got, want in zip(jax.tree.leaves(exported(q, k, v).call(q, k, v)), jax.tree.leaves(fn(q, k, v))):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_softcap_and_scale(d):
     run_case(masks.sliding_window([300, 400], 150), d=d, softcap=5.0, softmax_scale=0.2)
