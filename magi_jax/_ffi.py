@@ -96,7 +96,7 @@ def call(target: str, results, *args, aliases: dict[int, int] | None = None, **a
     """jax.ffi.ffi_call whose results vary like its arguments inside a shard_map; aliases: input index ->
     output index (the output is written in the input's buffer). Under jax.vmap the calls run one batch
     element after another (the kernels take one packed sequence; flex_flash_attn packs a batch into one
-    call itself, ffa._packing_fwd). Empty arguments (an optional operand left out) are made inside a jitted
+    call itself, ffa._batched_fwd). Empty arguments (an optional operand left out) are made inside a jitted
     call of their own: passed in, an eagerly run shard_map hands each to XLA's partitioner as an unused
     manual-computation operand, which crashes it (jax 0.11.2: a segfault in Shardy's
     ManualComputationUnusedInputsPattern)."""

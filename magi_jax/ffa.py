@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from magi_jax import _ffi
+from magi_jax import _ffi, partition
 from magi_jax.mask import AttnMask, as_type_codes
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -37,7 +37,8 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     them (kernel_head_dim), at the padded size's cost.
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
     bitwise reproducible. Under jax.vmap the batch runs as one call (its elements packed end to end, each
-    element's slices on its own tokens; keys shared by the batch are not copied). sm_margin > 0 leaves that
+    element's slices on its own tokens; keys shared by the batch are not copied). Under jit on arrays sharded
+    over that batch or the heads, each device runs its own (magi_jax.partition). sm_margin > 0 leaves that
     many SMs out of the forward's persistent grid (Hopper), for a collective the caller runs beside it: a
     persistent kernel holds every SM until it ends, so a communication kernel launched after it would
     otherwise wait. Differentiable in q, k, v (and through lse).
@@ -185,8 +186,10 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
     if not any(isinstance(x, jax.core.Tracer) for x in arrays):
         # Concrete: the mask model validates values (bounds, order, type codes) with named errors.
         AttnMask(np.asarray(arrays[0]), np.asarray(arrays[1]), np.asarray(arrays[2]), tq, tk)
-    return tuple(jnp.asarray(x, jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32)
-                 for x in arrays)
+    # Traced ones pass through a copy (elided by XLA): jax.vmap leaves a mapped numpy array as it is inside
+    # its tracer, which jit's trace then refuses as a custom_vjp operand (jax 0.11.2).
+    return tuple(jnp.array(x, jnp.int32, copy=True) if isinstance(x, jax.core.Tracer) else
+                 jnp.asarray(x, jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32) for x in arrays)
 
 
 def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0, prev=None):
@@ -219,12 +222,25 @@ def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_mar
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
 def _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
-    return _packing_fwd(scale, softcap, sm_margin)(q, k, v, q_ranges, k_ranges, attn_type_map)
+    return _forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin)
 
 
-# Under jax.vmap, flex_flash_attn's calls take the whole batch at once: its sequences packed end to end, each
-# element's slices moved onto its own tokens (one kernel launch instead of one per element, as a varlen mask
-# would be). The custom calls alone would run one element after another (_ffi.call's vmap_method).
+def _forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin):
+    return _one(_batched_fwd(scale, softcap, sm_margin), (q, True), (k, False), (v, False), (q_ranges, True),
+                (k_ranges, True), (attn_type_map, True))
+
+
+# The calls' batched form: a leading batch axis, B = 1 for a lone call, the batch of a jax.vmap otherwise.
+# Its elements run as one call (their sequences packed end to end, each element's slices moved onto its own
+# tokens: one kernel launch instead of one per element, as a varlen mask would be), on each device's own
+# batch elements and heads when the arrays are sharded (magi_jax.partition). The custom calls alone would run
+# one element after another (_ffi.call's vmap_method) and gather sharded arrays.
+
+def _one(fn, *args_and_batched):
+    """fn's batched form on a lone call: a batch axis of 1 added where batched is True, taken off the results."""
+    outs = fn(*(x[None] if batched else x for x, batched in args_and_batched))
+    return tuple(y[0] for y in outs)
+
 
 def _batched(x, axis_size: int, batched: bool) -> jax.Array:
     """x with a leading batch axis (broadcast when x is the same for every element)."""
@@ -232,10 +248,18 @@ def _batched(x, axis_size: int, batched: bool) -> jax.Array:
     return x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
 
 
+def _merged(x, axis_size: int, batched: bool) -> jax.Array:
+    """[A, B, ...] (x batched by an outer jax.vmap of size A, or broadcast to it) -> [A * B, ...]."""
+    return pack_tokens(_batched(x, axis_size, batched))
+
+
 def _pack_ranges(ranges: jax.Array, tokens: int, packed: bool = True) -> jax.Array:
     """[B, N, 2] ranges over each element's `tokens` -> [B * N, 2] over the packed sequence (packed=False:
     over one sequence all elements share). Clamped to the element first, so that an invalid traced range
-    (unspecified results, flex_flash_attn) stays in its own element."""
+    (unspecified results, flex_flash_attn) stays in its own element; a lone element's go as they are (the
+    kernels clamp them), so that a lone call with traced ranges runs no extra kernel."""
+    if ranges.shape[0] == 1:
+        return jnp.asarray(ranges, jnp.int32).reshape(-1, 2)
     offsets = jnp.arange(ranges.shape[0], dtype=jnp.int32)[:, None, None] * (tokens if packed else 0)
     return (jnp.clip(ranges.astype(jnp.int32), 0, tokens) + offsets).reshape(-1, 2)
 
@@ -245,57 +269,83 @@ def pack_tokens(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def _unpack_tokens(x: jax.Array, axis_size: int) -> jax.Array:
-    return x.reshape(axis_size, x.shape[0] // axis_size, *x.shape[1:])
+def _unpack_tokens(x: jax.Array, batch: int, length: int) -> jax.Array:
+    """[batch * length, ...] -> [batch, length, ...]: pack_tokens undone (sizes given: batch may be 0)."""
+    return x.reshape(batch, length, *x.shape[1:])
 
 
 @functools.lru_cache(maxsize=None)
-def _packing_fwd(scale: float, softcap: float, sm_margin: int):
-    """The forward call over (q, k, v, q_ranges, k_ranges, types), packing a jax.vmap batch into one call.
-    Keys the batch shares (k and v unbatched: one context for every element) are not copied: each element's
-    slices index the same keys."""
+def _batched_fwd(scale: float, softcap: float, sm_margin: int):
+    """The forward over (q [B, T, Hq, D], k, v, q_ranges [B, N, 2], k_ranges [B, N, 2], types [B, N]) ->
+    (out, lse): k [Tk, Hkv, D] and v one context every element shares (its keys are not copied: each
+    element's slices index the same keys), or [B, Tk, ...] each element's own."""
+    def per_device(q, k, v, q_ranges, k_ranges, types):
+        if q.shape[0] == 0:
+            return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), jnp.zeros(q.shape[:-1], jnp.float32)
+        shared_keys = k.ndim == 3
+        tk = k.shape[-3]
+        if not shared_keys:
+            k, v = pack_tokens(k), pack_tokens(v)
+        out, lse = _fwd_call(pack_tokens(q), k, v, _pack_ranges(q_ranges, q.shape[1]),
+                             _pack_ranges(k_ranges, tk, not shared_keys), types.reshape(-1), scale, softcap,
+                             sm_margin)
+        return _unpack_tokens(out, *q.shape[:2]), _unpack_tokens(lse, *q.shape[:2])
+
+    keys = ("sGd", "sGe"), ("bsGd", "bsGe")
+    runs = {shared: partition.over_batch_and_heads(per_device, ("btHd", *keys[not shared], "bnx", "bnx", "bn"),
+                                                   ("btHe", "btH"))
+            for shared in (True, False)}
+
     @jax.custom_batching.custom_vmap
     def fwd(q, k, v, q_ranges, k_ranges, types):
-        return _fwd_call(q, k, v, q_ranges, k_ranges, types, scale, softcap, sm_margin)
+        return runs[k.ndim == 3](q, k, v, q_ranges, k_ranges, types)
 
     @fwd.def_vmap
-    def packed(axis_size, in_batched, q, k, v, q_ranges, k_ranges, types):
-        shared_keys = not (in_batched[1] or in_batched[2])
-        q = _batched(q, axis_size, in_batched[0])
-        if axis_size == 0:
-            empty = (jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), jnp.zeros(q.shape[:-1], jnp.float32))
-            return empty, (True, True)
-        tk = k.shape[-3]  # [Tk, Hkv, D], or [B, Tk, Hkv, D] when batched
-        if not shared_keys:
-            k, v = (pack_tokens(_batched(x, axis_size, b)) for x, b in zip((k, v), in_batched[1:3]))
-        q_ranges, k_ranges, types = (_batched(x, axis_size, b) for x, b in zip((q_ranges, k_ranges, types),
-                                                                               in_batched[3:]))
-        out, lse = fwd(pack_tokens(q), k, v, _pack_ranges(q_ranges, q.shape[1]),
-                       _pack_ranges(k_ranges, tk, not shared_keys), types.reshape(-1))
-        return (_unpack_tokens(out, axis_size), _unpack_tokens(lse, axis_size)), (True, True)
+    def outer(axis_size, in_batched, q, k, v, q_ranges, k_ranges, types):
+        # An outer jax.vmap (of size A) over the batched form: its axis joins the batch, [A * B, ...]. Shared
+        # keys stay shared unless the outer vmap batches them; then each element gets its own.
+        q_batched, k_batched, v_batched = in_batched[:3]
+        inner = q.shape[int(q_batched)]
+        if k.ndim - k_batched == 4:
+            k, v = _merged(k, axis_size, k_batched), _merged(v, axis_size, v_batched)
+        elif k_batched or v_batched:
+            k, v = (pack_tokens(jnp.broadcast_to(_batched(x, axis_size, b)[:, None],
+                                                 (axis_size, inner, *x.shape[int(b):])))
+                    for x, b in ((k, k_batched), (v, v_batched)))
+        q, q_ranges, k_ranges, types = (_merged(x, axis_size, b) for x, b in
+                                        zip((q, q_ranges, k_ranges, types), (q_batched, *in_batched[3:])))
+        out, lse = fwd(q, k, v, q_ranges, k_ranges, types)
+        return (_unpack_tokens(out, axis_size, inner), _unpack_tokens(lse, axis_size, inner)), (True, True)
 
     return fwd
 
 
 @functools.lru_cache(maxsize=None)
-def _packing_bwd(scale: float, softcap: float, deterministic: bool):
-    """The backward call over (q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types) -> (dq, dk, dv),
-    packing a jax.vmap batch into one call. Every element gets its own dk, dv: inputs the batch shares are
-    copied per element first (rare: vmap over cotangents alone, or over keys shared by the batch)."""
+def _batched_bwd(scale: float, softcap: float, deterministic: bool):
+    """The backward over (q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types), each with a leading batch
+    axis, -> (dq, dk, dv): _batched_fwd's, each element with its own keys (shared keys are copied per element
+    by the caller, whose transpose sums their gradients)."""
+    def per_device(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types):
+        if q.shape[0] == 0:
+            return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+        grads = _bwd_call(*(pack_tokens(x) for x in (q, k, v, out, dout, lse, dlse)),
+                          _pack_ranges(q_ranges, q.shape[1]), _pack_ranges(k_ranges, k.shape[1]),
+                          types.reshape(-1), scale, softcap, deterministic)[:3]
+        return tuple(_unpack_tokens(g, *x.shape[:2]) for g, x in zip(grads, (q, k, v)))
+
+    run = partition.over_batch_and_heads(
+        per_device, ("btHd", "bsGd", "bsGe", "btHe", "btHe", "btH", "btH", "bnx", "bnx", "bn"),
+        ("btHd", "bsGd", "bsGe"))
+
     @jax.custom_batching.custom_vmap
-    def bwd(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types):
-        return _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types, scale, softcap,
-                         deterministic)[:3]
+    def bwd(*args):
+        return run(*args)
 
     @bwd.def_vmap
-    def packed(axis_size, in_batched, *args):
-        q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, types = (
-            _batched(x, axis_size, b) for x, b in zip(args, in_batched))
-        if axis_size == 0:
-            return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)), (True, True, True)
-        grads = bwd(*(pack_tokens(x) for x in (q, k, v, out, dout, lse, dlse)),
-                    _pack_ranges(q_ranges, q.shape[1]), _pack_ranges(k_ranges, k.shape[1]), types.reshape(-1))
-        return tuple(_unpack_tokens(g, axis_size) for g in grads), (True, True, True)
+    def outer(axis_size, in_batched, *args):
+        inner = args[0].shape[int(in_batched[0])]
+        grads = bwd(*(_merged(x, axis_size, b) for x, b in zip(args, in_batched)))
+        return tuple(_unpack_tokens(g, axis_size, inner) for g in grads), (True, True, True)
 
     return bwd
 
@@ -306,16 +356,16 @@ def named_for_checkpoint(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax
 
 
 def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
-    out, lse = named_for_checkpoint(*_packing_fwd(scale, softcap, sm_margin)(q, k, v, q_ranges, k_ranges,
-                                                                            attn_type_map))
+    out, lse = named_for_checkpoint(*_forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap,
+                                              sm_margin))
     return (out, lse), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
 
 
 def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
-    dq, dk, dv = _packing_bwd(scale, softcap, deterministic)(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges,
-                                                            attn_type_map)
+    dq, dk, dv = _one(_batched_bwd(scale, softcap, deterministic), *((x, True) for x in (
+        q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map)))
     return dq, dk, dv, None, None, None
 
 

@@ -16,8 +16,8 @@ whole output is NaN, so that a training loss shows it).
 
 Differences from jax.nn: `bias` and a dense `mask` are not taken (express the mask as slices with
 flex_flash_attn); a query row that attends no key gives 0 and lse -inf (jax.nn's xla path averages the
-values there). FFA runs per device: inside jit with sharded inputs call it under shard_map (batch over data
-parallel, heads over tensor parallel); for the sequence axis use magi_jax.calc_attn.
+values there). Under jit on arrays sharded over the batch (data parallel) or the heads (tensor parallel), each
+device runs its own (magi_jax.partition); for the sequence axis use magi_jax.calc_attn.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from magi_jax import ffa
 from magi_jax.mask import AttnMaskType
@@ -54,15 +55,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     q_ranges, k_ranges, types, overflow = mask_slices(B, T, S, is_causal, local_window_size, query_seq_lengths,
                                                       key_value_seq_lengths, segment_ids, max_segments, unbatched)
-    out, lse = ffa.flex_flash_attn(*(ffa.pack_tokens(x) for x in (q, k, v)), q_ranges, k_ranges, types,
-                                   softmax_scale=scale, softcap=softcap, deterministic=deterministic)
+    # A jax.vmap over the sequences: one packed call (as flex_flash_attn runs a vmap), on each device's own
+    # sequences and heads when the arrays are sharded.
+    attend = lambda q, k, v, q_ranges, k_ranges, types: ffa.flex_flash_attn(
+        q, k, v, q_ranges, k_ranges, types, softmax_scale=scale, softcap=softcap, deterministic=deterministic)
+    out, lse = jax.vmap(attend)(q, k, v, *(_batch_sharded_like(x, q) for x in (q_ranges, k_ranges, types)))
     if overflow is not None:
         # NaN everywhere when a sequence overflows, added as a constant outside the gradient: one elementwise
         # pass in the forward (fused into a consumer where XLA can), nothing in the backward. Cheaper on paper,
         # a NaN row updated in place measured slower (BENCHMARKS.md 2026-12-01 01:03 UTC).
         poison = jax.lax.stop_gradient(jnp.where(overflow, jnp.nan, 0.0))
         out, lse = out + poison.astype(out.dtype), lse + poison
-    out, lse = out.reshape(*q.shape[:-1], v.shape[-1]), lse.reshape(B, T, q.shape[2])
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residual else out
@@ -71,9 +74,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
 def mask_slices(B: int, T: int, S: int, is_causal: bool = False, local_window_size=None, query_seq_lengths=None,
                 key_value_seq_lengths=None, segment_ids=None, max_segments: int | None = None,
                 unbatched: bool = False):
-    """The FFA slices (q_ranges [N, 2], k_ranges [N, 2], types [N]) of dot_product_attention's mask over a
-    batch of B sequences packed back to back (queries at b T, keys at b S), and for traced segment ids whether
-    any sequence overflows max_segments (a bool scalar; else None)."""
+    """The FFA slices of dot_product_attention's mask, each sequence's over its own T queries and S keys
+    (q_ranges [B, N, 2], k_ranges [B, N, 2], types [B, N]), and for traced segment ids whether any sequence
+    overflows max_segments (a bool scalar; else None). Concrete ids and lengths give numpy slices, a
+    sequence's empty ones left out (N is the most any sequence has; the others' rest are empty slices);
+    traced ones give jnp slices, three per document."""
     left, right = _window(local_window_size, T + S)
     if is_causal:
         right = min(right, 0)
@@ -100,17 +105,21 @@ def mask_slices(B: int, T: int, S: int, is_causal: bool = False, local_window_si
     else:
         ks, ke = xp.minimum(starts, kv_len[:, None]), xp.minimum(ends, kv_len[:, None])
     q_ranges, k_ranges, types = band_slices(qs, qe, ks, ke, left, right, xp)
-    # Batch element b's tokens sit at b T (queries) and b S (keys) of the packed call.
-    q_ranges = q_ranges + (np.arange(B, dtype=np.int32) * T)[:, None, None, None]
-    k_ranges = k_ranges + (np.arange(B, dtype=np.int32) * S)[:, None, None, None]
-    q_ranges, k_ranges, types = q_ranges.reshape(-1, 2), k_ranges.reshape(-1, 2), types.reshape(-1)
-    empty = (q_ranges[:, 0] >= q_ranges[:, 1]) | (k_ranges[:, 0] >= k_ranges[:, 1])
+    q_ranges, k_ranges, types = q_ranges.reshape(B, -1, 2), k_ranges.reshape(B, -1, 2), types.reshape(B, -1)
+    empty = (q_ranges[..., 0] >= q_ranges[..., 1]) | (k_ranges[..., 0] >= k_ranges[..., 1])
     if traced:
-        q_ranges = jnp.where(empty[:, None], 0, q_ranges)
-        k_ranges = jnp.where(empty[:, None], 0, k_ranges)
+        q_ranges = jnp.where(empty[..., None], 0, q_ranges)
+        k_ranges = jnp.where(empty[..., None], 0, k_ranges)
         types = jnp.where(empty, int(AttnMaskType.FULL), types)
-    else:
-        q_ranges, k_ranges, types = q_ranges[~empty], k_ranges[~empty], types[~empty]
+        return q_ranges, k_ranges, types, overflow
+    # Each sequence's nonempty slices first, the others emptied: the count is the most any sequence has.
+    order = np.argsort(empty, axis=1, kind="stable")
+    count = int((~empty).sum(axis=1).max()) if B else 0
+    keep = lambda x: np.take_along_axis(x, order[..., None] if x.ndim == 3 else order, axis=1)[:, :count]
+    kept = keep(~empty)
+    q_ranges = np.where(kept[..., None], keep(q_ranges), 0).astype(np.int32)
+    k_ranges = np.where(kept[..., None], keep(k_ranges), 0).astype(np.int32)
+    types = np.where(kept, keep(types), int(AttnMaskType.FULL)).astype(np.int32)
     return q_ranges, k_ranges, types, overflow
 
 
@@ -136,6 +145,16 @@ def band_slices(qs, qe, ks, ke, left: int, right: int, xp=jnp):
     types = xp.stack([xp.full_like(qs, int(AttnMaskType.CAUSAL)), middle,
                       xp.full_like(qs, int(AttnMaskType.INV_CAUSAL))], -1)
     return q_ranges, k_ranges, types
+
+
+def _batch_sharded_like(x, q):
+    """x [B, ...] with its batch split as q's is over Explicit mesh axes (jax.vmap wants the axes it maps
+    sharded alike); as it is otherwise."""
+    sharding = getattr(jax.typeof(q), "sharding", None)
+    spec = getattr(sharding, "spec", ())
+    if not spec or spec[0] is None:
+        return x
+    return jax.sharding.reshard(jnp.asarray(x), P(spec[0]))
 
 
 def _window(local_window_size, limit: int) -> tuple[int, int]:

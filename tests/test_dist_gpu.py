@@ -11,7 +11,7 @@ import pytest
 
 import magi_jax as mj
 from magi_jax import masks
-from tests.conftest import has_gpu
+from tests.conftest import has_gpu, random_qkv
 from tests.test_dist_helpers import (DOCS, async_overlap,
                                      check_batched_plan_tables, check_dist, check_plan_tables,
                                      collective_dependencies, families, mesh_of, random_mask, remat_grads)
@@ -144,3 +144,24 @@ def test_schedule_overlaps_transfers_with_attention_2gpu():
         print(f"  {w['start']} .. {w['done']}: {w['ffa_between']}")
     assert windows, "no async collectives in the compiled module"
     assert any(w["ffa_between"] for w in windows), "no attention call is scheduled inside any transfer"
+
+
+@pytest.mark.parametrize("mode", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+@pytest.mark.parametrize("spec", [jax.sharding.PartitionSpec("x"), jax.sharding.PartitionSpec(None, None, "x")])
+def test_batch_or_heads_sharded_over_2gpus_run_where_they_are(mode, spec):
+    # A vmapped batch over data parallel, or its heads over tensor parallel (magi_jax.partition): no
+    # all-gather in the compiled step, and each device's results bitwise those of the unsharded call (the
+    # same rows of the same kernel).
+    mask = masks.varlen_causal(GDOCS)
+    rng = np.random.default_rng(31)
+    batch = [random_qkv(rng, 1900, 1900, 4, 2, 128, jnp.bfloat16) for _ in range(2)]
+    q, k, v = (jnp.stack(x) for x in zip(*batch))
+    fn = jax.jit(jax.vmap(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)))
+    want = fn(q, k, v)
+    mesh = jax.make_mesh((2,), ("x",), axis_types=(mode,), devices=jax.devices("gpu")[:2])
+    placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, spec)) for x in (q, k, v)]
+    with jax.set_mesh(mesh):
+        assert "all-gather" not in fn.lower(*placed).compile().as_text()
+        got = fn(*placed)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

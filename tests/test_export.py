@@ -62,3 +62,16 @@ def test_export_without_the_disabled_checks_names_the_call():
     fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=masks.causal(64))[0])
     with pytest.raises(ValueError, match="magi_jax_ffa_fwd"):
         jax.export.export(fn)(q, k, v)
+
+
+def test_exported_step_sharded_over_explicit_axes():
+    # Explicit mesh axes split the batch by a shard_map, which jax.export takes (Auto axes' custom_partitioning
+    # it refuses).
+    mask = masks.varlen_causal([100, 156])
+    mesh = jax.make_mesh((2,), ("dp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    q, k, v = (jax.device_put(jnp.stack([x, x[::-1]]), NamedSharding(mesh, P("dp")))
+               for x in random_qkv(np.random.default_rng(14), 256, 256, 2, 2, 64))
+    fn = jax.jit(jax.vmap(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)))
+    with jax.set_mesh(mesh):
+        got, want = _round_trip(fn, q, k, v)
+    _assert_same(got, want)

@@ -63,9 +63,19 @@ def random_segments(rng, T: int, docs: int) -> np.ndarray:
     return ids
 
 
+def packed_slices(q_ranges, k_ranges, types, T: int, S: int):
+    """mask_slices' per-sequence slices [B, N, ...] as one mask's over the sequences packed end to end
+    (queries of sequence b at b T, keys at b S), as the packed call sees them."""
+    q_ranges, k_ranges, types = (np.asarray(x) for x in (q_ranges, k_ranges, types))
+    B = q_ranges.shape[0]
+    q_ranges = q_ranges + (np.arange(B) * T)[:, None, None]
+    k_ranges = k_ranges + (np.arange(B) * S)[:, None, None]
+    return q_ranges.reshape(-1, 2), k_ranges.reshape(-1, 2), types.reshape(-1)
+
+
 def built_mask(B, T, S, traced: bool, **kwargs) -> np.ndarray:
     """The dense mask of the slices dot_product_attention passes to FFA (magi_jax.nn.mask_slices), with
-    the segment ids and lengths concrete (numpy slices, empty ones dropped) or traced (under jit: a fixed
+    the segment ids and lengths concrete (numpy slices, empty ones left out) or traced (under jit: a fixed
     count, empty ones zeroed)."""
     if not traced:
         q_ranges, k_ranges, types, _ = mj_nn.mask_slices(B, T, S, **kwargs)
@@ -75,7 +85,7 @@ def built_mask(B, T, S, traced: bool, **kwargs) -> np.ndarray:
         if "segment_ids" in arrays:
             kwargs["max_segments"] = T
         q_ranges, k_ranges, types, _ = jax.jit(lambda a: mj_nn.mask_slices(B, T, S, **kwargs, **a))(arrays)
-    return AttnMask(np.asarray(q_ranges), np.asarray(k_ranges), np.asarray(types), B * T, B * S).to_dense()
+    return AttnMask(*packed_slices(q_ranges, k_ranges, types, T, S), B * T, B * S).to_dense()
 
 
 @pytest.mark.parametrize("traced", [False, True])
@@ -105,15 +115,15 @@ def test_slices_cover_exactly_jax_nn_mask(seed, traced):
 def test_concrete_masks_give_exactly_the_slices_of_magi_jax_masks():
     """Without traced arguments the call's mask is the one magi_jax.masks builds: one CAUSAL slice per
     sequence or document, the window's pieces, no empty slices."""
-    q_ranges, k_ranges, types, overflow = mj_nn.mask_slices(8, 4096, 4096, is_causal=True)
+    *slices, overflow = mj_nn.mask_slices(8, 4096, 4096, is_causal=True)
     assert overflow is None
     want = mj.masks.varlen_causal([4096] * 8).kernel_args()
-    for got, w in zip((q_ranges, k_ranges, types), want):
+    for got, w in zip(packed_slices(*slices, 4096, 4096), want):
         np.testing.assert_array_equal(got, w)
     lens = [300, 77, 500]
     segs = np.repeat(np.arange(3), lens)[None]
     args = mj_nn.mask_slices(1, 877, 877, is_causal=True, local_window_size=(99, 0), segment_ids=segs)[:3]
-    got = AttnMask(*args, 877, 877)
+    got = AttnMask(*packed_slices(*args, 877, 877), 877, 877)
     np.testing.assert_array_equal(got.to_dense(), mj.masks.sliding_window(lens, 100).to_dense())
     assert got.num_slices == 5  # a CAUSAL head and a BI_CAUSAL band per document, the short one CAUSAL only
 
