@@ -5,7 +5,8 @@ the batch axis (a jax.vmap batch, B = 1 otherwise) and the heads (q heads with t
 may stay sharded, which is what data and tensor parallelism shard. Without this, XLA would gather every
 input onto every device and run the whole batch there. Arrays typed with Explicit mesh axes (jax.make_mesh's
 default) get a shard_map over the axes that shard their batch and heads; Auto axes get custom_partitioning,
-whose rule tells Shardy which dims may stay sharded and whose partition callback runs the call per device.
+whose rule tells Shardy which dims may stay sharded and whose partition callback runs the call per device
+(Shardy only, jax's default: under the deprecated GSPMD partitioner jax refuses such calls by name).
 
 Each argument and result is described by a layout, one letter per dim: b the batch, H the q heads, G the kv
 heads, any other letter a dim that is gathered.
