@@ -53,8 +53,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     unbatched = np.ndim(query) == 3
     q, k, v = (x[None] if unbatched else x for x in (query, key, value))
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
-    q_ranges, k_ranges, types, overflow = mask_slices(B, T, S, is_causal, local_window_size, query_seq_lengths,
-                                                      key_value_seq_lengths, segment_ids, max_segments, unbatched)
+    build = lambda q_len, kv_len, ids: mask_slices(B, T, S, is_causal, local_window_size, q_len, kv_len, ids,
+                                                   max_segments, unbatched)
+    mask_args = (query_seq_lengths, key_value_seq_lengths, segment_ids)
+    batch = _explicit_batch(mask_args, unbatched)
+    if batch is None:
+        q_ranges, k_ranges, types, overflow = build(*mask_args)
+    else:
+        # Explicit sharding types have no rule for some of the building's ops (a sharded array concatenated
+        # with a replicated one): built over Auto axes, where XLA splits it by sequence as the arguments are.
+        q_ranges, k_ranges, types, overflow = jax.sharding.auto_axes(
+            build, out_sharding=(P(batch[0]), P(batch[0]), P(batch[0]), P()))(*mask_args)
     # A jax.vmap over the sequences: one packed call (as flex_flash_attn runs a vmap), on each device's own
     # sequences and heads when the arrays are sharded.
     attend = lambda q, k, v, q_ranges, k_ranges, types: ffa.flex_flash_attn(
@@ -145,6 +154,16 @@ def band_slices(qs, qe, ks, ke, left: int, right: int, xp=jnp):
     types = xp.stack([xp.full_like(qs, int(AttnMaskType.CAUSAL)), middle,
                       xp.full_like(qs, int(AttnMaskType.INV_CAUSAL))], -1)
     return q_ranges, k_ranges, types
+
+
+def _explicit_batch(mask_args, unbatched: bool) -> tuple | None:
+    """(the spec entry of the batch,) when a traced mask argument is typed with Explicit mesh axes, else None."""
+    for x in mask_args:
+        sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.core.Tracer) else None
+        spec = tuple(getattr(sharding, "spec", ()))
+        if any(e is not None for e in spec):
+            return (None if unbatched else spec[0],)
+    return None
 
 
 def _batch_sharded_like(x, q):

@@ -107,3 +107,21 @@ def test_drop_in_keeps_the_batch_where_it_is(mode):
     assert not gathers
     assert all(s[0] == "dp" for s in out_specs)
     _assert_equal((outs, grads), _unsharded(fn, q, k, v))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_drop_in_with_traced_segment_ids_sharded_like_the_batch(mode):
+    # Segment ids as an argument of the step (slices built on the devices), split over dp with the batch.
+    q, k, v = _batch(np.random.default_rng(5), 4, 4, 2)
+    segments = jnp.asarray(np.stack([np.repeat(np.arange(3), [90, 60, 106]), np.repeat(np.arange(2), [200, 56]),
+                                     np.repeat(np.arange(4), [10, 100, 46, 100]), np.zeros(256, np.int32)]))
+    fn = lambda q, k, v, s: mj.dot_product_attention(q, k, v, is_causal=True, segment_ids=s, max_segments=4,
+                                                     return_residual=True)
+    mesh = _mesh({"dp": 2, "tp": 2}, mode)
+    placed = [jax.device_put(x, NamedSharding(mesh, P("dp", None, "tp"))) for x in (q, k, v)]
+    ids = jax.device_put(segments, NamedSharding(mesh, P("dp")))
+    step = jax.jit(jax.grad(lambda q, k, v, s: sum(jnp.sum(jnp.sin(y)) for y in fn(q, k, v, s)), argnums=(0, 1, 2)))
+    with jax.set_mesh(mesh):
+        got = jax.jit(fn)(*placed, ids), step(*placed, ids)
+        assert "all-gather" not in step.lower(*placed, ids).compile().as_text()
+    _assert_equal(got, (jax.jit(fn)(q, k, v, segments), jax.jit(step)(q, k, v, segments)))
