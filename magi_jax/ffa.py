@@ -237,9 +237,11 @@ def _forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_marg
 # one element after another (_ffi.call's vmap_method) and gather sharded arrays.
 
 def _one(fn, *args_and_batched):
-    """fn's batched form on a lone call: a batch axis of 1 added where batched is True, taken off the results."""
-    outs = fn(*(x[None] if batched else x for x, batched in args_and_batched))
-    return tuple(y[0] for y in outs)
+    """fn's batched form on a lone call: a batch axis of 1 added where batched is True, taken off the results.
+    By reshapes: eager x[None] on arrays committed to one mesh left a later jit's transpose parsing another
+    mesh's shardings with the first mesh (jax 0.11.2)."""
+    outs = fn(*(jnp.reshape(x, (1, *np.shape(x))) if batched else x for x, batched in args_and_batched))
+    return tuple(y.reshape(y.shape[1:]) for y in outs)
 
 
 def _batched(x, axis_size: int, batched: bool) -> jax.Array:
