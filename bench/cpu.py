@@ -1,8 +1,8 @@
 """CPU benchmark of the FFA custom call (issue: foundation).
 
-At 8k tokens (varlen causal, 8 documents), 4 heads, D 64, float32: FFA forward against
-jax.nn.dot_product_attention(implementation="xla") with the equivalent dense mask, and FFA on the whole
-causal mask of the same length, to check that time follows the unmasked area.
+At 8k tokens (varlen causal, 8 documents), 4 heads, D 64, float32: FFA forward and forward+backward against
+jax.nn.dot_product_attention(implementation="xla") with the equivalent dense mask, and FFA's forward on the
+whole causal mask of the same length, to check that time follows the unmasked area.
 
     python -m magi_jax bench --backend cpu [--seqlen 8192] [--no-append]
 """
@@ -70,15 +70,34 @@ def main(argv: list[str] | None = None) -> int:
                  f"{seconds['xla'] * 1e3:.1f}", f"{attention_flops(mask.area(), h, d) / seconds['xla'] / 1e9:.1f}"])
     print(rows[-1], flush=True)
 
+    # Forward+backward on the varlen mask (gradients of q, k, v for a random cotangent of out): 3.5x the
+    # forward's FLOPs, as bench/kernel.py counts them.
+    cotangent = jnp.asarray(rng.standard_normal((t, h, d)), jnp.float32)
+    kernel_args = tuple(jnp.asarray(x) for x in mask.kernel_args())
+    grads = lambda attn: jax.jit(jax.grad(lambda q, k, v, *rest: jnp.sum(attn(q, k, v, *rest) * cotangent),
+                                          argnums=(0, 1, 2)))
+    ffa_grads = grads(lambda q, k, v, qr, kr, types: mj.flex_flash_attn(q, k, v, qr, kr, types)[0])
+    xla_grads = grads(xla)
+    for got, want in zip(ffa_grads(q, k, v, *kernel_args), xla_grads(q, k, v, dense)):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    for key, name, fn, fn_args, reps in (("ffa fwd+bwd", "FFA custom calls", ffa_grads, kernel_args, 5),
+                                         ("xla fwd+bwd", "jax.nn.dot_product_attention xla, dense mask",
+                                          xla_grads, (dense,), 3)):
+        seconds[key] = median_seconds(fn, q, k, v, *fn_args, reps=reps)
+        rows.append(["varlen causal, fwd+bwd", name, f"{mask.area():,}", f"{seconds[key] * 1e3:.1f}",
+                     f"{3.5 * attention_flops(mask.area(), h, d) / seconds[key] / 1e9:.1f}"])
+        print(rows[-1], flush=True)
+
     area_ratio = cases["whole causal"].area() / cases["varlen causal"].area()
     time_ratio = seconds["whole causal"] / seconds["varlen causal"]
     follows = max(time_ratio / area_ratio, area_ratio / time_ratio)
-    notes = (f"Forward only, float32, {t} tokens, {args.docs} documents {lengths}, {h} heads, D {d}. "
-             f"FFA vs XLA dense: {seconds['xla'] / seconds['varlen causal']:.1f}x faster. Whole causal / varlen "
+    notes = (f"Float32, {t} tokens, {args.docs} documents {lengths}, {h} heads, D {d}; forward unless marked "
+             f"fwd+bwd. FFA vs XLA dense: {seconds['xla'] / seconds['varlen causal']:.1f}x faster forward, "
+             f"{seconds['xla fwd+bwd'] / seconds['ffa fwd+bwd']:.1f}x forward+backward. Whole causal / varlen "
              f"causal: area ratio {area_ratio:.2f}, time ratio {time_ratio:.2f} ({follows:.2f}x apart; bar 1.3x). "
              "GFLOP/s on the unmasked area.")
     table = markdown_table(["mask", "implementation", "area", "ms", "GFLOP/s"], rows)
     print(table + "\n\n" + notes)
     if not args.no_append:
-        append_report("CPU kernel: FFA forward vs XLA dense", table, notes)
+        append_report("CPU kernel: FFA vs XLA dense, forward and forward+backward", table, notes)
     return 0

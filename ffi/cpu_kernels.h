@@ -73,18 +73,45 @@ template <> inline Half FromFloat<Half>(float f) {
   return Half{uint16_t(sign | (a >> 13))};
 }
 
-// C[M][N] (+)= A[M][K] * B[K][N], all row-major and contiguous. The inner loop runs over N so that it
-// vectorises without reassociating sums, which keeps results identical from run to run.
+// C[M][N] (+)= A[M][K] * B[K][N], all row-major and contiguous. Each C element sums its K products in order
+// (no reassociation: results identical from run to run). Blocks of 4 rows x 16 columns of C stay in vector
+// registers over the K loop (one row of B loaded, four broadcasts of A, four vector multiply-adds); the edges
+// go one row at a time. The block is written with GCC / Clang vector types: left to the auto-vectoriser, the
+// same loops were vectorised across rows with shuffles, 3x slower than the plain row loop.
 inline void MatMul(const float* a, const float* b, float* c, int m, int k, int n, bool accumulate) {
+  typedef float Floats16 __attribute__((vector_size(64)));
+  constexpr int kRows = 4, kCols = 16;
   if (!accumulate) std::fill(c, c + int64_t(m) * n, 0.0f);
-  for (int i = 0; i < m; ++i) {
+  int i = 0;
+  for (; i + kRows <= m; i += kRows) {
+    const float* ai = a + int64_t(i) * k;
+    int j = 0;
+    for (; j + kCols <= n; j += kCols) {
+      Floats16 acc[kRows];
+      for (int r = 0; r < kRows; ++r) std::memcpy(&acc[r], c + int64_t(i + r) * n + j, sizeof(Floats16));
+      for (int p = 0; p < k; ++p) {
+        Floats16 bp;
+        std::memcpy(&bp, b + int64_t(p) * n + j, sizeof(Floats16));
+        for (int r = 0; r < kRows; ++r) acc[r] += ai[int64_t(r) * k + p] * bp;
+      }
+      for (int r = 0; r < kRows; ++r) std::memcpy(c + int64_t(i + r) * n + j, &acc[r], sizeof(Floats16));
+    }
+    for (int r = 0; r < kRows && j < n; ++r) {   // the columns past the last whole block
+      float* ci = c + int64_t(i + r) * n;
+      for (int p = 0; p < k; ++p) {
+        const float ap = ai[int64_t(r) * k + p];
+        const float* bp = b + int64_t(p) * n;
+        for (int x = j; x < n; ++x) ci[x] += ap * bp[x];
+      }
+    }
+  }
+  for (; i < m; ++i) {   // the rows past the last whole block
     float* ci = c + int64_t(i) * n;
     const float* ai = a + int64_t(i) * k;
     for (int p = 0; p < k; ++p) {
       const float ap = ai[p];
-      if (ap == 0.0f) continue;  // masked probabilities are common at slice edges
       const float* bp = b + int64_t(p) * n;
-      for (int j = 0; j < n; ++j) ci[j] += ap * bp[j];
+      for (int x = 0; x < n; ++x) ci[x] += ap * bp[x];
     }
   }
 }
