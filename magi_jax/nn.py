@@ -51,7 +51,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
     # Checked here so that errors name `scale`, not flex_flash_attn's softmax_scale.
     scale = None if scale is None else ffa.concrete_float("scale", scale)
     unbatched = np.ndim(query) == 3
-    q, k, v = (x[None] if unbatched else x for x in (query, key, value))
+    q, k, v = (jnp.reshape(x, (1, *np.shape(x))) if unbatched else x for x in (query, key, value))   # as ffa._one
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     build = lambda q_len, kv_len, ids: mask_slices(B, T, S, is_causal, local_window_size, q_len, kv_len, ids,
                                                    max_segments, unbatched)
@@ -76,7 +76,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         poison = jax.lax.stop_gradient(jnp.where(overflow, jnp.nan, 0.0))
         out, lse = out + poison.astype(out.dtype), lse + poison
     if unbatched:
-        out, lse = out[0], lse[0]
+        out, lse = out.reshape(out.shape[1:]), lse.reshape(lse.shape[1:])
     return (out, lse) if return_residual else out
 
 
