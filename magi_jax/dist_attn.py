@@ -571,7 +571,9 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
 
     A shard_map over the plan's mesh axis; the other mesh axes pass through: a leading batch dim
     [B, T, H, D] is split over ``batch_axes`` ("auto": every other mesh axis whose sizes divide B, else
-    replicated), and heads over ``head_axes`` (default replicated; e.g. "tp" for tensor parallel heads).
+    replicated), and heads over ``head_axes`` (e.g. "tp" for tensor parallel heads; by default the axes that
+    split q's heads in its type where the mesh axes are Explicit and the kv heads divide by them, else
+    replicated: with Auto axes give them).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
     reduce_wire_dtype, backward, sm_margin). Under jax.checkpoint, out and lse are saveable by name
     (magi_jax.CHECKPOINT_NAMES): the backward pass then does not run the attention forward again."""
@@ -582,6 +584,8 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
             raise ValueError(f"{name}: expected [T, H, D] or [B, T, H, D], got shape {x.shape}")
         _check_seq(name, x, x.ndim - 3, p.padded_seqlen, "the plan's padded_seqlen: dispatch it first")
     seq_dim = q.ndim - 3
+    if head_axes is None:
+        head_axes = _typed_head_axes(q, k, mesh, p.axis)
     spec = _spec(mesh, p, q.shape, seq_dim, batch_axes, head_axes, seq_dim + 1)
     lse_spec = P(*tuple(spec)[:-1])
     # Explicit mesh axes: q, k, v come as dispatch left them (heads whole, the batch as its batch_axes chose);
@@ -600,6 +604,20 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
                              out_specs=(spec, lse_spec))(q, k, v, run)
     body = functools.partial(calc_attn_local, plan=p, **options)
     return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))(q, k, v)
+
+
+def _typed_head_axes(q, k, mesh: Mesh, plan_axis: str):
+    """The mesh axes that split q's heads in its type (Explicit axes: q from a tensor-parallel projection),
+    kept when they also divide the kv heads and are not the plan's; else None (heads whole)."""
+    sharding = _explicit_sharding(q)
+    if sharding is None:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (q.ndim - len(sharding.spec))
+    axes = _as_tuple(spec[-2])
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if not axes or plan_axis in axes or k.shape[-2] % size:
+        return None
+    return spec[-2]
 
 
 def _local_with_tables(q, k, v, run: RunTables, spec: PlanSpec, options: dict):

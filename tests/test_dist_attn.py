@@ -445,3 +445,27 @@ def test_checkpoint_policy_keeps_the_forward_out_of_the_backward():
     assert calls == (mp.num_stages + 1, 2 * (mp.num_stages + 1), mp.num_stages + 1)
     for a, b in zip(want, got):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6, atol=1e-6)
+
+
+def test_heads_typed_over_tp_stay_there_on_an_explicit_mesh():
+    """q, k, v from tensor-parallel projections of dispatched tokens (heads split over tp in their types):
+    calc_attn without head_axes keeps them split (no all-gather), out too, with the reference's values."""
+    mesh = jax.make_mesh((4, 2), ("cp", "tp"), devices=jax.devices("cpu")[:8])
+    mask = masks.varlen_causal([100, 156])
+    mp = mj.plan(mask, mesh, chunk_size=16, overlap=1, num_heads_q=4, num_heads_kv=2, head_dim=64)
+    qkv = random_qkv(np.random.default_rng(13), mask.total_seqlen_q, mask.total_seqlen_k, 4, 2, 64)
+    want = mj.flex_flash_attn(*qkv, mask=mask)[0]
+    heads = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("cp", "tp"))
+
+    @jax.jit
+    def fn(q, k, v):
+        qd, kd, vd = (jax.sharding.reshard(mj.dispatch(x, mp), heads) for x in (q, k, v))
+        out = mj.calc_attn(qd, kd, vd, mp)[0]
+        assert jax.typeof(out).sharding.spec[1] == "tp"
+        return mj.undispatch(out, mp)
+
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(fn(*qkv), want, rtol=1e-5, atol=1e-5)
+        qd, kd, vd = (jax.device_put(mj.dispatch(x, mp), heads) for x in qkv)
+        text = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp)).lower(qd, kd, vd).compile().as_text()
+    assert "all-gather" not in text
