@@ -1,13 +1,15 @@
 // Building blocks of the CPU kernels: element conversion, a small float matmul, block lists and a
-// thread pool. Kept apart from the attention algorithm in ffa_cpu.cc.
+// parallel loop on XLA's thread pool. Kept apart from the attention algorithm in ffa_cpu.cc.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <thread>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "slice_geometry.h"
@@ -146,22 +148,39 @@ BlockLists MakeBlockLists(const std::vector<Slice>& slices, int64_t length, int6
   return lists;
 }
 
-// Runs fn(task, worker) for task in [0, n) on up to hardware_concurrency threads. Each task writes
-// disjoint outputs, so the result does not depend on the schedule.
-inline void ParallelFor(int64_t n, const std::function<void(int64_t, int)>& fn) {
-  int workers = int(std::min<int64_t>(n, std::max(1u, std::thread::hardware_concurrency())));
-  std::atomic<int64_t> next{0};
-  auto loop = [&](int worker) {
-    for (int64_t t; (t = next.fetch_add(1)) < n;) fn(t, worker);
-  };
-  std::vector<std::thread> threads;
-  for (int w = 1; w < workers; ++w) threads.emplace_back(loop, w);
-  loop(0);
-  for (auto& t : threads) t.join();
+// How many workers ParallelFor runs n tasks on: the caller and the pool's threads, at most one per task.
+template <typename Pool>
+int NumWorkers(Pool& pool, int64_t n) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(n, pool.num_threads())));
 }
 
-inline int NumWorkers(int64_t n) {
-  return int(std::max<int64_t>(1, std::min<int64_t>(n, std::max(1u, std::thread::hardware_concurrency()))));
+// Runs fn(task, worker) for task in [0, n) on the calling thread (worker 0) and NumWorkers - 1 tasks
+// scheduled on `pool` (XLA's intra-op thread pool: no threads made per call, none beyond XLA's count). Each
+// task writes disjoint outputs, so the result does not depend on the schedule. Returns once every task has
+// run; a pool thread that starts later finds none left (the shared counters outlive the call), so a busy
+// pool only leaves the caller more to do.
+template <typename Pool>
+void ParallelFor(Pool& pool, int64_t n, const std::function<void(int64_t, int)>& fn) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mutex;
+    std::condition_variable all_done;
+  };
+  auto state = std::make_shared<State>();
+  auto run = [state, n, &fn](int worker) {
+    for (int64_t t; (t = state->next.fetch_add(1)) < n;) {
+      fn(t, worker);
+      if (state->done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        state->all_done.notify_all();
+      }
+    }
+  };
+  const int workers = NumWorkers(pool, n);
+  for (int w = 1; w < workers; ++w) pool.Schedule([run, w] { run(w); });
+  run(0);
+  std::unique_lock<std::mutex> lock(state->mutex);
+  state->all_done.wait(lock, [&] { return state->done.load() == n; });
 }
 
 }  // namespace magi_jax::cpu

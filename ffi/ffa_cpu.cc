@@ -124,15 +124,15 @@ BlockLists KBlockLists(const Params& p) {
 
 // out_prev, lse_prev (null: none): an earlier call's results over the same rows, merged into this one's.
 template <typename T>
-void Forward(const Params& p, const T* q, const T* k, const T* v, T* out, float* lse, const T* out_prev,
-             const float* lse_prev) {
+void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
+             const T* out_prev, const float* lse_prev) {
   const auto& [tq, tk, hq, hkv, d, n] = p.dims;
   const int64_t group = hq / hkv;
   BlockLists lists = QBlockLists(p);
   const int64_t nqb = (tq + kBlockQ - 1) / kBlockQ;
-  std::vector<Scratch> scratch(NumWorkers(nqb * hq), Scratch(d));
+  std::vector<Scratch> scratch(NumWorkers(pool, nqb * hq), Scratch(d));
 
-  ParallelFor(nqb * hq, [&](int64_t task, int worker) {
+  ParallelFor(pool, nqb * hq, [&](int64_t task, int worker) {
     Scratch& w = scratch[worker];
     const int64_t qb = task / hq, h = task % hq, r0 = qb * kBlockQ, r1 = std::min(tq, r0 + kBlockQ);
     const int64_t m = r1 - r0;
@@ -223,9 +223,9 @@ void TileGradients(const Params& p, const Slice& s, int64_t rb, int64_t mr, int6
 // dq in TDq: T, or float32 when chained (dq_in, if not null, added before the store). delta_in, if not
 // null, is delta as given (out, dout's product and dlse are then not read for it).
 template <typename T, typename TDq>
-void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out, const T* dout,
-              const float* lse, const float* dlse, const float* dq_in, const float* delta_in, TDq* dq, T* dk,
-              T* dv) {
+void Backward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, const T* v, const T* out,
+              const T* dout, const float* lse, const float* dlse, const float* dq_in, const float* delta_in, TDq* dq,
+              T* dk, T* dv) {
   const auto& [tq, tk, hq, hkv, d, n] = p.dims;
   const int64_t group = hq / hkv;
   // delta = rowsum(dout * out) - dlse: the softmax-gradient correction of every (row, head); lse's own
@@ -234,7 +234,7 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
   if (delta_in != nullptr) {
     std::copy(delta_in, delta_in + tq * hq, delta.begin());
   } else {
-    ParallelFor(hq, [&](int64_t h, int) {
+    ParallelFor(pool, hq, [&](int64_t h, int) {
       for (int64_t r = 0; r < tq; ++r) {
         double acc = 0.0;
         for (int64_t j = 0; j < d; ++j)
@@ -253,8 +253,8 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
   // dq: one task per (q block, q head).
   BlockLists qlists = QBlockLists(p);
   const int64_t nqb = (tq + kBlockQ - 1) / kBlockQ;
-  std::vector<Scratch> scratch(NumWorkers(std::max(nqb * hq, hkv)), Scratch(d));
-  ParallelFor(nqb * hq, [&](int64_t task, int worker) {
+  std::vector<Scratch> scratch(NumWorkers(pool, nqb * hq), Scratch(d));
+  ParallelFor(pool, nqb * hq, [&](int64_t task, int worker) {
     Scratch& w = scratch[worker];
     const int64_t qb = task / hq, h = task % hq, r0 = qb * kBlockQ, r1 = std::min(tq, r0 + kBlockQ);
     std::fill(w.acc.begin(), w.acc.begin() + (r1 - r0) * d, 0.0);
@@ -290,8 +290,8 @@ void Backward(const Params& p, const T* q, const T* k, const T* v, const T* out,
   // of dk and dv. Tiles are rows x keys as in the forward; P and dS are transposed to accumulate.
   BlockLists klists = KBlockLists(p);
   const int64_t nkb = (tk + kBlockK - 1) / kBlockK;
-  std::vector<Scratch> kscratch(NumWorkers(nkb * hkv), Scratch(d));
-  ParallelFor(nkb * hkv, [&](int64_t task, int worker) {
+  std::vector<Scratch> kscratch(NumWorkers(pool, nkb * hkv), Scratch(d));
+  ParallelFor(pool, nkb * hkv, [&](int64_t task, int worker) {
     Scratch& w = kscratch[worker];
     const int64_t kblk = task / hkv, hk = task % hkv, c0 = kblk * kBlockK, c1 = std::min(tk, c0 + kBlockK);
     const int64_t nc = c1 - c0;
@@ -350,10 +350,10 @@ T* Data(const ffi::AnyBuffer& b) { return reinterpret_cast<T*>(b.untyped_data())
 template <typename T>
 T* Data(ffi::Result<ffi::AnyBuffer>& b) { return reinterpret_cast<T*>(b->untyped_data()); }
 
-ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges,
-                      ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev,
-                      ffi::AnyBuffer lse_prev, float softmax_scale,
-                      float softcap, int32_t /*sm_margin: a GPU launch setting*/, bool kv_packed,
+ffi::Error FfaFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types,
+                      ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev, float softmax_scale, float softcap,
+                      int32_t /*sm_margin: a GPU launch setting*/, bool kv_packed,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
@@ -365,13 +365,13 @@ ffi::Error FfaFwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
   return DispatchDtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* v_data = kv_packed ? Data<T>(k) + dims->hkv * dims->d : Data<T>(v);
-    Forward<T>(p, Data<T>(q), Data<T>(k), v_data, Data<T>(out), lse->typed_data(),
+    Forward<T>(pool, p, Data<T>(q), Data<T>(k), v_data, Data<T>(out), lse->typed_data(),
                *merge ? Data<T>(out_prev) : nullptr, *merge ? Data<float>(lse_prev) : nullptr);
   });
 }
 
-ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
-                      ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
+ffi::Error FfaBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dlse,
                       ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types,
                       ffi::AnyBuffer k2, ffi::AnyBuffer v2, ffi::AnyBuffer dq_in, ffi::AnyBuffer delta_in,
                       float softmax_scale,
@@ -399,11 +399,11 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
     // dq in T or, chained, in float32.
     auto backward = [&](const T* kk, const T* vv, T* dkk, T* dvv) {
       if (dq_f32)
-        Backward<T, float>(p, Data<T>(q), kk, vv, Data<T>(out), Data<T>(dout), lse.typed_data(), dlse.typed_data(),
-                           dq_add, delta, Data<float>(dq), dkk, dvv);
+        Backward<T, float>(pool, p, Data<T>(q), kk, vv, Data<T>(out), Data<T>(dout), lse.typed_data(),
+                           dlse.typed_data(), dq_add, delta, Data<float>(dq), dkk, dvv);
       else
-        Backward<T, T>(p, Data<T>(q), kk, vv, Data<T>(out), Data<T>(dout), lse.typed_data(), dlse.typed_data(),
-                       dq_add, delta, Data<T>(dq), dkk, dvv);
+        Backward<T, T>(pool, p, Data<T>(q), kk, vv, Data<T>(out), Data<T>(dout), lse.typed_data(),
+                       dlse.typed_data(), dq_add, delta, Data<T>(dq), dkk, dvv);
     };
     if (*tk2 == 0) {
       backward(Data<T>(k), Data<T>(v), Data<T>(dk), Data<T>(dv));
@@ -436,6 +436,6 @@ ffi::Error FfaBwdImpl(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
 }  // namespace magi_jax::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiFfaFwdCpu, magi_jax::cpu::FfaFwdImpl,
-                              magi_jax::BindFfaFwd(xla::ffi::Ffi::Bind()));
+                              magi_jax::BindFfaFwd(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiFfaBwdCpu, magi_jax::cpu::FfaBwdImpl,
-                              magi_jax::BindFfaBwd(xla::ffi::Ffi::Bind()));
+                              magi_jax::BindFfaBwd(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));

@@ -39,15 +39,15 @@ std::vector<Span> LoadSpans(const int32_t* ranges, int64_t m, bool gather, int64
 }
 
 template <typename Tin, typename Tout>
-void RunRangeOp(const std::vector<Span>& spans, const RangeArray& a, int64_t out_rows) {
+void RunRangeOp(ffi::ThreadPool& pool, const std::vector<Span>& spans, const RangeArray& a, int64_t out_rows) {
   const Tin* in = static_cast<const Tin*>(a.in);
   Tout* out = static_cast<Tout*>(a.out);
   const Tout* init = static_cast<const Tout*>(a.init);
   const int64_t f = a.features, blocks = (out_rows + kRowBlock - 1) / kRowBlock;
   // into: out is a whole array of its own (scatter-adds are packed on the input side only).
   if (init != nullptr && init != out) std::memcpy(out, init, sizeof(Tout) * out_rows * f);  // not aliased
-  std::vector<std::vector<float>> acc(NumWorkers(blocks));
-  ParallelFor(blocks, [&](int64_t b, int worker) {
+  std::vector<std::vector<float>> acc(NumWorkers(pool, blocks));
+  ParallelFor(pool, blocks, [&](int64_t b, int worker) {
     const int64_t r0 = b * kRowBlock, r1 = std::min(out_rows, r0 + kRowBlock);
     std::vector<float>& buf = acc[worker];
     buf.assign((r1 - r0) * f, 0.0f);
@@ -80,8 +80,8 @@ void DispatchRangeType(ffi::DataType dtype, Fn&& fn) {
   }
 }
 
-ffi::Error RangeOp(const char* name, bool gather, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
-                   ffi::RemainingRets outs, bool packed, bool into = false) {
+ffi::Error RangeOp(ffi::ThreadPool& pool, const char* name, bool gather, ffi::Buffer<ffi::S32> ranges,
+                   ffi::RemainingArgs ins, ffi::RemainingRets outs, bool packed, bool into = false) {
   RangeArray arrays[kMaxRangeArrays];
   auto dims = CheckRangeOp(name, ranges, ins, outs, arrays, into, packed, gather);
   if (dims.has_error()) return dims.error();
@@ -91,36 +91,36 @@ ffi::Error RangeOp(const char* name, bool gather, ffi::Buffer<ffi::S32> ranges, 
     DispatchRangeType(dims->in_type, [&](auto in_tag) {
       using Tin = decltype(in_tag);
       if (dims->out_type == dims->in_type) {
-        RunRangeOp<Tin, Tin>(spans, arrays[j], dims->out_rows);
+        RunRangeOp<Tin, Tin>(pool, spans, arrays[j], dims->out_rows);
       } else {
-        RunRangeOp<Tin, float>(spans, arrays[j], dims->out_rows);
+        RunRangeOp<Tin, float>(pool, spans, arrays[j], dims->out_rows);
       }
     });
   }
   return ffi::Error::Success();
 }
 
-ffi::Error RangeGatherImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs,
-                           bool packed) {
-  return RangeOp("magi_jax_range_gather", true, ranges, ins, outs, packed);
+ffi::Error RangeGatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
+                           ffi::RemainingRets outs, bool packed) {
+  return RangeOp(pool, "magi_jax_range_gather", true, ranges, ins, outs, packed);
 }
 
-ffi::Error RangeScatterAddImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs,
-                               bool packed) {
-  return RangeOp("magi_jax_range_scatter_add", false, ranges, ins, outs, packed);
+ffi::Error RangeScatterAddImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
+                               ffi::RemainingRets outs, bool packed) {
+  return RangeOp(pool, "magi_jax_range_scatter_add", false, ranges, ins, outs, packed);
 }
 
-ffi::Error RangeScatterAddIntoImpl(ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins, ffi::RemainingRets outs,
-                                   bool packed) {
-  return RangeOp("magi_jax_range_scatter_add_into", false, ranges, ins, outs, packed, true);
+ffi::Error RangeScatterAddIntoImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ranges, ffi::RemainingArgs ins,
+                                   ffi::RemainingRets outs, bool packed) {
+  return RangeOp(pool, "magi_jax_range_scatter_add_into", false, ranges, ins, outs, packed, true);
 }
 
 }  // namespace
 }  // namespace magi_jax::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeGatherCpu, magi_jax::cpu::RangeGatherImpl,
-                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()));
+                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeScatterAddCpu, magi_jax::cpu::RangeScatterAddImpl,
-                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()));
+                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MagiRangeScatterAddIntoCpu, magi_jax::cpu::RangeScatterAddIntoImpl,
-                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind()));
+                              magi_jax::BindRangeOp(xla::ffi::Ffi::Bind().Ctx<xla::ffi::ThreadPool>()));
