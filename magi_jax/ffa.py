@@ -33,6 +33,9 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     no value reads or writes out of bounds, but invalid ones (reversed, type codes outside 0..3) give
     unspecified results. softmax_scale and softcap are Python or NumPy numbers, finite.
     Returns out [Tq, Hq, Dv] in q's dtype and lse [Tq, Hq] float32 (natural log; -inf on rows with no key).
+    A batch of sequences, q [B, Tq, Hq, D] with k, v [B, Tk, ...] (or [Tk, ...], keys every sequence shares),
+    takes the mask (or slices [N, 2], [N]) of every sequence, or slices [B, N, 2], [B, N] each its own, and
+    gives out [B, Tq, Hq, Dv], lse [B, Tq, Hq]: as jax.vmap over the sequences would, one packed call.
     D and Dv (1 to 256) may differ; the kernels run 64, 128 and 256, other sizes zero-padded to the next of
     them (kernel_head_dim), at the padded size's cost.
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
@@ -55,11 +58,14 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
         if not isinstance(mask, AttnMask):
             raise ValueError(f"mask: expected an AttnMask, got {type(mask).__name__}")
         for name, x, total in (("q", q, mask.total_seqlen_q), ("k", k, mask.total_seqlen_k)):
-            if np.ndim(x) == 3 and x.shape[0] != total:
-                raise ValueError(f"{name}: has {x.shape[0]} tokens but the mask expects {total}")
+            if np.ndim(x) in (3, 4) and x.shape[-3] != total:
+                raise ValueError(f"{name}: has {x.shape[-3]} tokens but the mask expects {total}")
         q_ranges, k_ranges, attn_type_map = mask.kernel_args()
     elif any(x is None for x in (q_ranges, k_ranges, attn_type_map)):
         raise ValueError("q_ranges, k_ranges and attn_type_map are all required when mask= is not given")
+    if np.ndim(q) == 4:
+        return _each_sequence(q, k, v, (q_ranges, k_ranges, attn_type_map), dict(
+            softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic, sm_margin=sm_margin))
     check_qkv(q, k, v)
     q_ranges, k_ranges, attn_type_map = check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0])
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
@@ -67,6 +73,33 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     out, lse = _ffa(*pad_head_dims(q, k, v), q_ranges, k_ranges, attn_type_map, scale, cap,
                     check_deterministic(deterministic), check_sm_margin(sm_margin))
     return drop_head_dim_padding(out, head_dim_v), lse
+
+
+def _each_sequence(q, k, v, slices: tuple, options: dict) -> tuple[jax.Array, jax.Array]:
+    """flex_flash_attn of a batch q [B, Tq, Hq, D], k and v [B, Tk, ...] (or [Tk, ...]: keys every sequence
+    shares), slices [N, 2], [N, 2], [N] for every sequence or [B, N, 2], [B, N, 2], [B, N] each its own: a
+    jax.vmap over the sequences (one packed call). Concrete slices are checked per sequence first, so that
+    errors name them (under the vmap they are traced)."""
+    batch = q.shape[0]
+    keys_shared = np.ndim(k) == 3
+    element = lambda x: jax.ShapeDtypeStruct(x.shape[-3:], x.dtype)
+    check_qkv(element(q), element(k), element(v))
+    for name, x in (("k", k), ("v", v)):
+        if np.ndim(x) != np.ndim(k) or (not keys_shared and x.shape[0] != batch):
+            raise ValueError(f"{name}: expected [{batch}, Tk, H, D] (q's batch) or [Tk, H, D] for k and v alike, "
+                             f"got shape {np.shape(x)}")
+    axes = []
+    for name, x, rank in zip(("q_ranges", "k_ranges", "attn_type_map"), slices, (2, 2, 1)):
+        batched = np.ndim(x) == rank + 1
+        if batched and np.shape(x)[0] != batch:
+            raise ValueError(f"{name}: {np.shape(x)[0]} sequences' slices for q's batch of {batch}")
+        axes.append(0 if batched else None)
+    if not any(isinstance(x, jax.core.Tracer) for x in slices):
+        for b in range(batch if any(a is not None for a in axes) else 1):
+            check_ranges(*(x if a is None else x[b] for x, a in zip(slices, axes)), q.shape[1], k.shape[-3])
+    attend = lambda q, k, v, *ranges: flex_flash_attn(q, k, v, *ranges, **options)
+    return jax.vmap(attend, in_axes=(0, None if keys_shared else 0, None if keys_shared else 0, *axes))(
+        q, k, v, *slices)
 
 
 def with_sinks(out: jax.Array, lse: jax.Array, sinks) -> tuple[jax.Array, jax.Array]:

@@ -450,6 +450,47 @@ def test_vmap_keeps_an_invalid_traced_range_inside_its_element():
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+def test_batched_inputs_take_one_mask_or_one_per_sequence():
+    # q [B, T, H, D]: each sequence against the float64 reference of its own mask, whether one mask serves
+    # the batch or each sequence has its slices [B, N, 2]; keys [Tk, H, D] shared by the batch too.
+    rng = np.random.default_rng(14)
+    per = [masks.varlen_causal(lens) for lens in ([20, 12], [9, 23], [32])]
+    n = max(m.num_slices for m in per)
+    pad = lambda a, fill: np.concatenate([a, np.full((n - a.shape[0], *a.shape[1:]), fill, a.dtype)])
+    slices = [np.stack([pad(np.asarray(m.kernel_args()[i]), 0) for m in per]) for i in range(3)]
+    q, k, v = (jnp.stack(x) for x in zip(*[random_qkv(rng, 32, 32, 4, 2, 64) for _ in range(3)]))
+    for b, mask in enumerate(per):
+        def element(qb, kb, vb, b=b):   # sequence b through the batched call, the others held fixed
+            batch = [x.at[b].set(xb) for x, xb in ((q, qb), (k, kb), (v, vb))]
+            return tuple(y[b] for y in mj.flex_flash_attn(*batch, *slices))
+        check_against_reference(element, mask, q[b], k[b], v[b], rng)
+    one = masks.sliding_window([32], 10)
+    out, lse = mj.flex_flash_attn(q, k, v, mask=one)
+    for b in range(3):
+        for got, want in zip((out[b], lse[b]), mj.flex_flash_attn(q[b], k[b], v[b], mask=one)):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    shared = mj.flex_flash_attn(q, k[0], v[0], mask=one)[0]
+    np.testing.assert_array_equal(np.asarray(shared[2]), np.asarray(mj.flex_flash_attn(q[2], k[0], v[0], mask=one)[0]))
+
+
+def test_batched_inputs_errors_name_the_argument():
+    q, k, v = (jnp.stack([x] * 2) for x in random_qkv(np.random.default_rng(15), 32, 32, 2, 2, 64))
+    mask = masks.causal(32)
+    with pytest.raises(ValueError, match="^k: expected \\[2, Tk, H, D\\]"):
+        mj.flex_flash_attn(q, k[:1], v[:1], mask=mask)
+    with pytest.raises(ValueError, match="^v: expected"):
+        mj.flex_flash_attn(q, k, v[0], mask=mask)
+    with pytest.raises(ValueError, match="^q: has 31 tokens"):
+        mj.flex_flash_attn(q[:, :31], k, v, mask=mask)
+    qr, kr, ty = (np.stack([x] * 3) for x in mask.kernel_args())
+    with pytest.raises(ValueError, match="^q_ranges: 3 sequences' slices for q's batch of 2"):
+        mj.flex_flash_attn(q, k, v, qr, kr, ty)
+    bad = qr[:2].copy()
+    bad[1, 0] = [20, 10]   # sequence 1's range reversed: named before the vmap traces it
+    with pytest.raises(ValueError, match="q_ranges"):
+        mj.flex_flash_attn(q, k, v, bad, kr[:2], ty[:2])
+
+
 def _dense_with_sinks(q, k, v, visible, sinks, xp):
     """Dense attention whose every row's softmax also counts its head's sink logit (value zero): the
     reference of with_sinks, in numpy float64 (xp=np) or in jnp at the inputs' dtype (differentiable)."""
