@@ -118,6 +118,23 @@ inline void MatMul(const float* a, const float* b, float* c, int m, int k, int n
   }
 }
 
+// The largest of row[0, n) (-inf for none), 16 lanes at a time: a scalar max chain waits on each compare.
+inline float RowMax(const float* row, int64_t n) {
+  typedef float Floats16 __attribute__((vector_size(64)));
+  constexpr float kNegInf = -__builtin_inff();
+  Floats16 lanes = Floats16{} + kNegInf;
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    Floats16 x;
+    std::memcpy(&x, row + j, sizeof(x));
+    lanes = lanes > x ? lanes : x;
+  }
+  float mx = kNegInf;
+  for (int x = 0; x < 16; ++x) mx = std::max(mx, lanes[x]);
+  for (; j < n; ++j) mx = std::max(mx, row[j]);
+  return mx;
+}
+
 // For each block of `block` positions along one axis, the ascending ids of the slices whose range on
 // that axis touches the block (compressed rows).
 struct BlockLists {

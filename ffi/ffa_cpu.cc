@@ -62,16 +62,15 @@ void MakeLogits(const Params& p, const Slice& s, int64_t r0, int64_t m, int64_t 
     int64_t lo, hi;
     RowKeys(s, r0 + i, &lo, &hi);
     float* row = scores + i * n;
-    for (int64_t j = 0; j < n; ++j) {
-      int64_t c = c0 + j;
-      if (c < lo || c >= hi) {
-        row[j] = kNegInf;
-      } else if (p.softcap > 0.0f) {
-        row[j] = p.softcap * std::tanh(row[j] * p.scale / p.softcap);
-      } else {
-        row[j] *= p.scale;
-      }
+    // The row's keys are one run [b, e) of its columns: masked before and after, scaled (vectorised) within.
+    const int64_t b = std::clamp(lo - c0, int64_t(0), n), e = std::max(b, std::clamp(hi - c0, int64_t(0), n));
+    std::fill(row, row + b, kNegInf);
+    if (p.softcap > 0.0f) {
+      for (int64_t j = b; j < e; ++j) row[j] = p.softcap * std::tanh(row[j] * p.scale / p.softcap);
+    } else {
+      for (int64_t j = b; j < e; ++j) row[j] *= p.scale;
     }
+    std::fill(row + e, row + n, kNegInf);
   }
 }
 
@@ -153,8 +152,7 @@ void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, con
         MakeLogits(p, s, rb, mr, c0, nc, w.s.data());
         for (int64_t i = 0; i < mr; ++i) {  // online softmax update of row rb + i
           float* row = w.s.data() + i * nc;
-          float mx = kNegInf;
-          for (int64_t j = 0; j < nc; ++j) mx = std::max(mx, row[j]);
+          const float mx = RowMax(row, nc);
           const int64_t ri = rb - r0 + i;
           const float m_new = std::max(w.m[ri], mx);
           if (m_new == kNegInf) {
