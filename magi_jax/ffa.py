@@ -98,8 +98,18 @@ def _each_sequence(q, k, v, slices: tuple, options: dict) -> tuple[jax.Array, ja
         for b in range(batch if any(a is not None for a in axes) else 1):
             check_ranges(*(x if a is None else x[b] for x, a in zip(slices, axes)), q.shape[1], k.shape[-3])
     attend = lambda q, k, v, *ranges: flex_flash_attn(q, k, v, *ranges, **options)
+    slices = tuple(x if a is None else _batch_sharded_like(x, q) for x, a in zip(slices, axes))
     return jax.vmap(attend, in_axes=(0, None if keys_shared else 0, None if keys_shared else 0, *axes))(
         q, k, v, *slices)
+
+
+def _batch_sharded_like(x, q):
+    """x [B, ...] with its batch split as q's is over Explicit mesh axes (jax.vmap wants the axes it maps
+    sharded alike); as it is otherwise."""
+    spec = getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())
+    if not spec or spec[0] is None:
+        return x
+    return jax.sharding.reshard(jnp.asarray(x), jax.sharding.PartitionSpec(spec[0]))
 
 
 def with_sinks(out: jax.Array, lse: jax.Array, sinks) -> tuple[jax.Array, jax.Array]:

@@ -64,11 +64,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: flo
         # with a replicated one): built over Auto axes, where XLA splits it by sequence as the arguments are.
         q_ranges, k_ranges, types, overflow = jax.sharding.auto_axes(
             build, out_sharding=(P(batch[0]), P(batch[0]), P(batch[0]), P()))(*mask_args)
-    # A jax.vmap over the sequences: one packed call (as flex_flash_attn runs a vmap), on each device's own
-    # sequences and heads when the arrays are sharded.
-    attend = lambda q, k, v, q_ranges, k_ranges, types: ffa.flex_flash_attn(
-        q, k, v, q_ranges, k_ranges, types, softmax_scale=scale, softcap=softcap, deterministic=deterministic)
-    out, lse = jax.vmap(attend)(q, k, v, *(_batch_sharded_like(x, q) for x in (q_ranges, k_ranges, types)))
+    # flex_flash_attn's batched form: one packed call, on each device's own sequences and heads when sharded.
+    out, lse = ffa.flex_flash_attn(q, k, v, q_ranges, k_ranges, types, softmax_scale=scale, softcap=softcap,
+                                   deterministic=deterministic)
     if overflow is not None:
         # NaN everywhere when a sequence overflows, added as a constant outside the gradient: one elementwise
         # pass in the forward (fused into a consumer where XLA can), nothing in the backward. Cheaper on paper,
@@ -164,16 +162,6 @@ def _explicit_batch(mask_args, unbatched: bool) -> tuple | None:
         if any(e is not None for e in spec):
             return (None if unbatched else spec[0],)
     return None
-
-
-def _batch_sharded_like(x, q):
-    """x [B, ...] with its batch split as q's is over Explicit mesh axes (jax.vmap wants the axes it maps
-    sharded alike); as it is otherwise."""
-    sharding = getattr(jax.typeof(q), "sharding", None)
-    spec = getattr(sharding, "spec", ())
-    if not spec or spec[0] is None:
-        return x
-    return jax.sharding.reshard(jnp.asarray(x), P(spec[0]))
 
 
 def _window(local_window_size, limit: int) -> tuple[int, int]:

@@ -125,3 +125,18 @@ def test_drop_in_with_traced_segment_ids_sharded_like_the_batch(mode):
         got = jax.jit(fn)(*placed, ids), step(*placed, ids)
         assert "all-gather" not in step.lower(*placed, ids).compile().as_text()
     _assert_equal(got, (jax.jit(fn)(q, k, v, segments), jax.jit(step)(q, k, v, segments)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_batched_call_with_each_sequences_slices_over_dp(mode):
+    # flex_flash_attn on q [B, T, H, D] with slices [B, N, 2]: the slices split over dp like the batch.
+    q, k, v = _batch(np.random.default_rng(6), 4, 4, 2)
+    per = [masks.varlen_causal(lens) for lens in ([100, 156], [256], [56, 200], [128, 128])]
+    n = max(m.num_slices for m in per)
+    pad = lambda a: np.concatenate([a, np.zeros((n - a.shape[0], *a.shape[1:]), a.dtype)])
+    slices = [np.stack([pad(np.asarray(m.kernel_args()[i])) for m in per]) for i in range(3)]
+    fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, *slices)
+    outs, grads, out_specs, gathers = _run(fn, _mesh({"dp": 2}, mode), (P("dp"),) * 3, q, k, v)
+    assert not gathers
+    assert all(s[0] == "dp" for s in out_specs)
+    _assert_equal((outs, grads), _unsharded(fn, q, k, v))
