@@ -75,13 +75,15 @@ template <> inline Half FromFloat<Half>(float f) {
   return Half{uint16_t(sign | (a >> 13))};
 }
 
+// 16 floats as one GCC / Clang vector (one AVX-512 register, two AVX2 ones, four SSE ones).
+typedef float Floats16 __attribute__((vector_size(64)));
+
 // C[M][N] (+)= A[M][K] * B[K][N], all row-major and contiguous. Each C element sums its K products in order
 // (no reassociation: results identical from run to run). Blocks of 4 rows x 16 columns of C stay in vector
 // registers over the K loop (one row of B loaded, four broadcasts of A, four vector multiply-adds); the edges
 // go one row at a time. The block is written with GCC / Clang vector types: left to the auto-vectoriser, the
 // same loops were vectorised across rows with shuffles, 3x slower than the plain row loop.
 inline void MatMul(const float* a, const float* b, float* c, int m, int k, int n, bool accumulate) {
-  typedef float Floats16 __attribute__((vector_size(64)));
   constexpr int kRows = 4, kCols = 16;
   if (!accumulate) std::fill(c, c + int64_t(m) * n, 0.0f);
   int i = 0;
@@ -120,7 +122,6 @@ inline void MatMul(const float* a, const float* b, float* c, int m, int k, int n
 
 // The largest of row[0, n) (-inf for none), 16 lanes at a time: a scalar max chain waits on each compare.
 inline float RowMax(const float* row, int64_t n) {
-  typedef float Floats16 __attribute__((vector_size(64)));
   constexpr float kNegInf = -__builtin_inff();
   Floats16 lanes = Floats16{} + kNegInf;
   int64_t j = 0;
