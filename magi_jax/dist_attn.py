@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from magi_jax import ffa
+from magi_jax.partition import typed_sharding
 from magi_jax._ffi import match_varying
 from magi_jax.comm import TRANSPORTS, accumulate_partials, group_cast, own_row, return_partials
 from magi_jax.mask import AttnMask
@@ -155,20 +156,10 @@ def _spec(mesh: Mesh, p: DistAttnPlan, shape: tuple, seq_dim: int, batch_axes, h
 # ---------------------------------------------------------------------------------------------------------
 # dispatch / undispatch / position_ids: the plan's permutation, each the other's transpose.
 
-def _explicit_sharding(x):
-    """x's NamedSharding when it is typed with Explicit mesh axes (jax.make_mesh's default), else None."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-    if mesh is None or explicit is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
-        return None
-    return sharding
-
-
 def _whole_tokens(x, seq_dim: int):
     """x with Explicit axes: its token dim gathered whole (the other dims keep their sharding), as Auto axes
     do implicitly before a gather along it; otherwise x."""
-    sharding = _explicit_sharding(x)
+    sharding = typed_sharding(x)
     if sharding is not None:
         spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
         if spec[seq_dim] is not None:
@@ -259,7 +250,7 @@ def dispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *, seq_di
     take, back = p.position_ids(), p.undispatch_perm
     if _batched(p, x, seq_dim):
         return _constrain(_take_each(_pad_tokens(x, p.padded_seqlen, 1), take), mesh, p, seq_dim, batch_axes)
-    y = _dispatch(x, take, back, p.padded_seqlen, seq_dim, _explicit_sharding(x))
+    y = _dispatch(x, take, back, p.padded_seqlen, seq_dim, typed_sharding(x))
     return _constrain(y, mesh, p, seq_dim, batch_axes)
 
 
@@ -278,7 +269,7 @@ def _take_each(x, index):
     """x [B, T, ...] taken along its tokens by batch element's own index [B, n] (autodiff's transpose: a
     scatter-add). The token dim is gathered whole first, as _take does."""
     x, index = _whole_tokens(x, 1), jnp.asarray(index)
-    sharding = _explicit_sharding(x)
+    sharding = typed_sharding(x)
     if sharding is not None:   # vmap needs the index's batch dim sharded as x's
         spec = P((tuple(sharding.spec) + (None,))[0], None)
         if isinstance(x, jax.core.Tracer):
@@ -297,7 +288,7 @@ def undispatch(x: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *, seq_
     seq_dim = _check_seq("x", x, seq_dim, p.padded_seqlen, "the plan's padded_seqlen")
     if _batched(p, x, seq_dim):
         return _take_each(x, p.undispatch_perm)
-    return _undispatch(x, p.position_ids(), p.undispatch_perm, p.padded_seqlen, seq_dim, _explicit_sharding(x))
+    return _undispatch(x, p.position_ids(), p.undispatch_perm, p.padded_seqlen, seq_dim, typed_sharding(x))
 
 
 def position_ids(plan: MeshPlan | DistAttnPlan | PlanTables, *, mesh: Mesh | None = None) -> jax.Array:
@@ -590,7 +581,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     lse_spec = P(*tuple(spec)[:-1])
     # Explicit mesh axes: q, k, v come as dispatch left them (heads whole, the batch as its batch_axes chose);
     # shard_map takes them only in its in_specs, so they are resharded here (Auto axes do this implicitly).
-    q, k, v = (_place(x, mesh, spec) if _explicit_sharding(x) is not None else x for x in (q, k, v))
+    q, k, v = (_place(x, mesh, spec) if typed_sharding(x) is not None else x for x in (q, k, v))
     if isinstance(p, PlanTables):   # every rank receives its own rows of the tables (comm.own_row)
         table_spec = P(p.axis)
         if p.spec.batch is not None:    # batched: the batch dim split like q's
@@ -609,7 +600,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
 def _typed_head_axes(q, k, mesh: Mesh, plan_axis: str):
     """The mesh axes that split q's heads in its type (Explicit axes: q from a tensor-parallel projection),
     kept when they also divide the kv heads and are not the plan's; else None (heads whole)."""
-    sharding = _explicit_sharding(q)
+    sharding = typed_sharding(q)
     if sharding is None:
         return None
     spec = tuple(sharding.spec) + (None,) * (q.ndim - len(sharding.spec))

@@ -106,8 +106,8 @@ def _each_sequence(q, k, v, slices: tuple, options: dict) -> tuple[jax.Array, ja
 def _batch_sharded_like(x, q):
     """x [B, ...] with its batch split as q's is over Explicit mesh axes (jax.vmap wants the axes it maps
     sharded alike); as it is otherwise."""
-    spec = getattr(getattr(jax.typeof(q), "sharding", None), "spec", ())
-    if not spec or spec[0] is None:
+    spec = partition.split_spec(q)
+    if spec is None or spec[0] is None:
         return x
     return jax.sharding.reshard(jnp.asarray(x), jax.sharding.PartitionSpec(spec[0]))
 

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from magi_jax import ffa
 from magi_jax.mask import AttnMaskType
+from magi_jax.partition import split_spec
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale: float | None = None,
@@ -157,9 +158,8 @@ def band_slices(qs, qe, ks, ke, left: int, right: int, xp=jnp):
 def _explicit_batch(mask_args, unbatched: bool) -> tuple | None:
     """(the spec entry of the batch,) when a traced mask argument is typed with Explicit mesh axes, else None."""
     for x in mask_args:
-        sharding = getattr(jax.typeof(x), "sharding", None) if isinstance(x, jax.core.Tracer) else None
-        spec = tuple(getattr(sharding, "spec", ()))
-        if any(e is not None for e in spec):
+        spec = split_spec(x) if isinstance(x, jax.core.Tracer) else None
+        if spec is not None:
             return (None if unbatched else spec[0],)
     return None
 

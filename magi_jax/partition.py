@@ -80,13 +80,26 @@ def _axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def typed_sharding(x) -> NamedSharding | None:
+    """x's NamedSharding when its type carries Explicit mesh axes (jax.make_mesh's default), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    if mesh is None or explicit is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
+        return None
+    return sharding
+
+
+def split_spec(x) -> tuple | None:
+    """The PartitionSpec entries of x when its type splits some dim over Explicit mesh axes, else None."""
+    sharding = typed_sharding(x)
+    spec = tuple(sharding.spec) if sharding is not None else ()
+    return spec if any(e is not None for e in spec) else None
+
+
 def _explicit_mesh(args):
-    """The abstract mesh of the arguments when any is sharded over an Explicit mesh axis, else None."""
-    for x in args:
-        sharding = getattr(jax.typeof(x), "sharding", None)
-        if isinstance(sharding, NamedSharding) and any(e is not None for e in sharding.spec):
-            return sharding.mesh
-    return None
+    """The abstract mesh of the arguments when any is split over an Explicit mesh axis, else None."""
+    return next((typed_sharding(x).mesh for x in args if split_spec(x) is not None), None)
 
 
 def _entries(mesh_shape, layouts: Sequence[str], shapes, specs) -> dict[str, object]:
