@@ -1,12 +1,14 @@
 """Dense reference attention from an AttnMask: the independent check of every kernel.
 
-`attention_f64` is numpy float64 with a hand-written backward (matrix products per head through BLAS);
+`attention_f64` is float64 with a hand-written backward (jnp per head, on jax's default device);
 `attention_dense` is the same function in jnp at any dtype (the "naive attention in its own precision" of
 the tolerance rule, DESIGN.md section 5).
 A cell covered by c slices carries weight c in the softmax (log(c) added to its logit). O(Tq x Tk): tests only.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,47 +19,63 @@ from magi_jax.mask import AttnMask
 
 def attention_f64(q, k, v, mask: AttnMask, softmax_scale: float | None = None, softcap: float = 0.0,
                   dout=None, dlse=None):
-    """Forward (out, lse) in float64; with dout (and optionally dlse) also (dq, dk, dv).
+    """Forward (out, lse) in float64; with dout (and optionally dlse) also (dq, dk, dv), as numpy arrays.
 
     Shapes as flex_flash_attn: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; out [Tq, Hq, Dv], lse [Tq, Hq]. Empty rows: out 0, lse -inf.
-    One q head at a time, so that the largest temporaries are [Tq, Tk] (a 16k x 16k mask: 2 GB each).
+    jnp in float64 with a hand-written backward, on jax's default device (a GPU's float64 matrix units take the
+    large references from minutes of host BLAS to seconds), one q head at a time, so that the largest
+    temporaries are [Tq, Tk] (a 16k x 16k mask: 2 GB each).
     """
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    tq, hq, d = q.shape
-    group = hq // k.shape[1]
-    scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    counts = mask.to_dense().astype(np.float64)
-    visible = counts > 0
-    log_counts = np.log(np.where(visible, counts, 1.0))
+    tq, hq, d = np.shape(q)
+    group = hq // np.shape(k)[1]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
     grads = dout is not None
-    if grads:
-        dout = np.asarray(dout, np.float64)
-        dlse = np.zeros((tq, hq)) if dlse is None else np.asarray(dlse, np.float64)
-        dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
-    out, lse = np.zeros((tq, hq, v.shape[-1])), np.zeros((tq, hq))
-    for h in range(hq):
-        kh, vh = k[:, h // group], v[:, h // group]
-        raw = (q[:, h] @ kh.T) * scale
-        logits = softcap * np.tanh(raw / softcap) if softcap > 0 else raw
-        masked = np.where(visible, logits + log_counts, -np.inf)
-        row_max = np.max(masked, axis=-1, keepdims=True)
-        row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-        p = np.exp(masked - row_max)
-        total = p.sum(-1, keepdims=True)
-        p /= np.where(total > 0, total, 1.0)
-        with np.errstate(divide="ignore"):
-            lse[:, h] = np.where(total[:, 0] > 0, np.log(total[:, 0]) + row_max[:, 0], -np.inf)
-        out[:, h] = p @ vh
+    with jax.enable_x64(True):
+        f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))  # on the default device, whatever held x
+        q, k, v = f64(q), f64(k), f64(v)
+        counts = jnp.asarray(mask.to_dense())
+        if grads:
+            dout = f64(dout)
+            dlse = jnp.zeros((tq, hq), jnp.float64) if dlse is None else f64(dlse)
+        heads = []
+        for h in range(hq):
+            kh, vh = k[:, h // group], v[:, h // group]
+            args = (q[:, h], kh, vh, counts) + ((dout[:, h], dlse[:, h]) if grads else ())
+            heads.append(_head_f64(*args, scale=scale, softcap=float(softcap)))
+        out, lse = (np.stack([np.asarray(x[i]) for x in heads], axis=1) for i in (0, 1))
         if not grads:
-            continue
-        dv[:, h // group] += p.T @ dout[:, h]
-        dp = dout[:, h] @ vh.T
-        ds = p * (dp - (dout[:, h] * out[:, h]).sum(-1, keepdims=True) + dlse[:, h, None])
-        if softcap > 0:
-            ds *= 1.0 - np.tanh(raw / softcap) ** 2
-        dq[:, h] = (ds @ kh) * scale
-        dk[:, h // group] += (ds.T @ q[:, h]) * scale
-    return (out, lse, dq, dk, dv) if grads else (out, lse)
+            return out, lse
+        dq = np.stack([np.asarray(x[2]) for x in heads], axis=1)
+        dk, dv = np.zeros(k.shape), np.zeros(v.shape)
+        for h, x in enumerate(heads):
+            dk[:, h // group] += np.asarray(x[3])
+            dv[:, h // group] += np.asarray(x[4])
+        return out, lse, dq, dk, dv
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
+def _head_f64(q, k, v, counts, dout=None, dlse=None, *, scale: float, softcap: float):
+    """One q head of attention_f64 (float64 operands): (out, lse) and, given dout and dlse, (dq, dk, dv)."""
+    visible = counts > 0
+    log_counts = jnp.log(jnp.where(visible, counts, 1).astype(jnp.float64))
+    raw = (q @ k.T) * scale
+    logits = softcap * jnp.tanh(raw / softcap) if softcap > 0 else raw
+    masked = jnp.where(visible, logits + log_counts, -jnp.inf)
+    row_max = jnp.max(masked, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(masked - row_max)
+    total = p.sum(-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)
+    lse = jnp.where(total[:, 0] > 0, jnp.log(jnp.where(total[:, 0] > 0, total[:, 0], 1.0)) + row_max[:, 0], -jnp.inf)
+    out = p @ v
+    if dout is None:
+        return out, lse
+    dv = p.T @ dout
+    dp = dout @ v.T
+    ds = p * (dp - (dout * out).sum(-1, keepdims=True) + dlse[:, None])
+    if softcap > 0:
+        ds = ds * (1.0 - jnp.tanh(raw / softcap) ** 2)
+    return out, lse, (ds @ k) * scale, (ds.T @ q) * scale, dv
 
 
 def attention_dense(q, k, v, counts, softmax_scale: float | None = None, softcap: float = 0.0):
