@@ -87,7 +87,7 @@ def attention_dense(q, k, v, counts, softmax_scale: float | None = None, softcap
     logits = softcap * jnp.tanh(raw / softcap) if softcap > 0 else raw
     counts = jnp.asarray(counts)[None]
     visible = counts > 0
-    masked = jnp.where(visible, logits + jnp.log(jnp.where(visible, counts, 1)).astype(q.dtype), -jnp.inf)
+    masked = jnp.where(visible, logits + jnp.log(jnp.where(visible, counts, 1).astype(q.dtype)), -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(masked, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
     e = jnp.exp(masked - row_max)
