@@ -22,8 +22,8 @@ def attention_f64(q, k, v, mask: AttnMask, softmax_scale: float | None = None, s
     """Forward (out, lse) in float64; with dout (and optionally dlse) also (dq, dk, dv), as numpy arrays.
 
     Shapes as flex_flash_attn: q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; out [Tq, Hq, Dv], lse [Tq, Hq]. Empty rows: out 0, lse -inf.
-    jnp in float64 with a hand-written backward, on jax's default device (a GPU's float64 matrix units take the
-    large references from minutes of host BLAS to seconds), one q head at a time, so that the largest
+    jnp in float64 with a hand-written backward, on jax's default device (where there is a GPU, its float64
+    units rather than the host's BLAS, shared by the test workers), one q head at a time, so that the largest
     temporaries are [Tq, Tk] (a 16k x 16k mask: 2 GB each).
     """
     tq, hq, d = np.shape(q)
