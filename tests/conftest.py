@@ -39,6 +39,15 @@ def random_qkv(rng: np.random.Generator, tq: int, tk: int, hq: int, hkv: int, d:
     return tuple(jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(dtype) for s in shapes)
 
 
+def stacked_slices(per_sequence, range_fill: int = 0) -> list[np.ndarray]:
+    """One mask per sequence as flex_flash_attn's batched slices: q_ranges, k_ranges [B, N, 2] and types [B, N],
+    each mask padded to the most slices with empty ones ([range_fill, range_fill), FULL) at its end."""
+    n = max(m.num_slices for m in per_sequence)
+    pad = lambda a, fill: np.concatenate([a, np.full((n - a.shape[0], *a.shape[1:]), fill, a.dtype)])
+    return [np.stack([pad(np.asarray(m.kernel_args()[i]), fill) for m in per_sequence])
+            for i, fill in ((0, range_fill), (1, range_fill), (2, 0))]
+
+
 def assert_within_rule(name: str, got, ref64, ref_lp) -> None:
     """The tolerance rule (magi_jax.reference.error_and_bound), no NaN, and -inf exactly where expected."""
     got64 = np.asarray(got, np.float64)

@@ -13,7 +13,7 @@ import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
 from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, ffi_calls, merged_forward,
-                            packed_kv_forward, random_qkv, remat_grads_and_calls, split_key_grads)
+                            packed_kv_forward, random_qkv, remat_grads_and_calls, split_key_grads, stacked_slices)
 
 
 def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
@@ -386,11 +386,7 @@ def test_vmap_packs_the_batch_into_one_call():
     rng = np.random.default_rng(11)
     B, T = 3, 32
     per = [masks.varlen_causal(lens) for lens in ([20, 12], [9, 23], [32])]
-    n = max(m.q_ranges.shape[0] for m in per)
-    def padded(m, a, fill):  # to n slices: empty ones at the end
-        return np.concatenate([a, np.full((n - a.shape[0], *a.shape[1:]), fill, a.dtype)])
-    qr, kr, ty = (np.stack([padded(m, np.asarray(m.kernel_args()[i]), f) for m in per])
-                  for i, f in ((0, T), (1, T), (2, 0)))
+    qr, kr, ty = stacked_slices(per, range_fill=T)
     q, k, v = (jnp.stack(x) for x in zip(*[random_qkv(rng, T, T, 4, 2, 64) for _ in range(B)]))
     fn = lambda q, k, v, a, b, c: mj.flex_flash_attn(q, k, v, a, b, c)
     loss = lambda q, k, v, a, b, c: (fn(q, k, v, a, b, c)[0] ** 2).sum()
@@ -455,9 +451,7 @@ def test_batched_inputs_take_one_mask_or_one_per_sequence():
     # the batch or each sequence has its slices [B, N, 2]; keys [Tk, H, D] shared by the batch too.
     rng = np.random.default_rng(14)
     per = [masks.varlen_causal(lens) for lens in ([20, 12], [9, 23], [32])]
-    n = max(m.num_slices for m in per)
-    pad = lambda a, fill: np.concatenate([a, np.full((n - a.shape[0], *a.shape[1:]), fill, a.dtype)])
-    slices = [np.stack([pad(np.asarray(m.kernel_args()[i]), 0) for m in per]) for i in range(3)]
+    slices = stacked_slices(per)
     q, k, v = (jnp.stack(x) for x in zip(*[random_qkv(rng, 32, 32, 4, 2, 64) for _ in range(3)]))
     for b, mask in enumerate(per):
         def element(qb, kb, vb, b=b):   # sequence b through the batched call, the others held fixed

@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import magi_jax as mj
 from magi_jax import masks
-from tests.conftest import check_against_reference, random_qkv
+from tests.conftest import check_against_reference, random_qkv, stacked_slices
 
 MODES = [AxisType.Auto, AxisType.Explicit]
 MASK = masks.sliding_window([100, 156], 40)
@@ -132,9 +132,7 @@ def test_batched_call_with_each_sequences_slices_over_dp(mode):
     # flex_flash_attn on q [B, T, H, D] with slices [B, N, 2]: the slices split over dp like the batch.
     q, k, v = _batch(np.random.default_rng(6), 4, 4, 2)
     per = [masks.varlen_causal(lens) for lens in ([100, 156], [256], [56, 200], [128, 128])]
-    n = max(m.num_slices for m in per)
-    pad = lambda a: np.concatenate([a, np.zeros((n - a.shape[0], *a.shape[1:]), a.dtype)])
-    slices = [np.stack([pad(np.asarray(m.kernel_args()[i])) for m in per]) for i in range(3)]
+    slices = stacked_slices(per)
     fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, *slices)
     outs, grads, out_specs, gathers = _run(fn, _mesh({"dp": 2}, mode), (P("dp"),) * 3, q, k, v)
     assert not gathers
