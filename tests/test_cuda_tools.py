@@ -16,7 +16,7 @@ from power_probe import parse_samples, summarize  # noqa: E402
 from sass_path import kernel_listing, walk  # noqa: E402
 from sass_samples import instruction_class, summary  # noqa: E402
 from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
-from tile_waste import computed_cells, masked_wg_steps, walk_cells, wg_skip_cells, wg_skip_misses  # noqa: E402
+from tile_waste import computed_cells, masked_wg_steps, walk_cells  # noqa: E402
 
 from magi_jax import masks  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
@@ -95,34 +95,8 @@ def test_tile_waste_counts_the_walks_cells():
     narrow = AttnMask([[0, 128]], [[0, 60]], ["full"], 128, 60)
     assert walk_cells(narrow) == 128 * 128
     assert walk_cells(narrow, 64) == 128 * 64
-    # 64-key tiles, each warpgroup passing over those its rows do not attend (wg_skip64): on the causal diagonal
-    # warpgroup 0 skips the last; on a band of 65 keys (bi-causal) warpgroup 1 the first, warpgroup 0 the last.
-    assert wg_skip_cells(causal) == 3 * 64 * 64
     band = AttnMask([[0, 128]], [[0, 192]], ["bi_causal"], 128, 192)
     assert walk_cells(band, 64) == 3 * 128 * 64
-    assert wg_skip_cells(band) == 4 * 64 * 64
-
-
-def test_wg_skip_passes_over_no_attended_cell():
-    # fwd_wg_skip.patch's rule (a warpgroup skips the 64-key tiles outside its rows' key spans in the group),
-    # modelled by tile_waste.wg_skip_walk: no skipped tile holds a cell that any of the warpgroup's rows
-    # attends, on every mask family and on random slices of every type, overlapping rows included.
-    rng = np.random.default_rng(31)
-    families = [masks.varlen_causal([300, 77, 600]), masks.sliding_window([700, 500], 200),
-                masks.sliding_window([640, 300], 100, causal=False), masks.block_causal([900, 300], 200),
-                masks.shared_question([(150, [90, 200, 60]), (80, [130])]), masks.prefix_lm([500, 400], [120, 300]),
-                masks.global_sliding_window([800], 150, 32), masks.causal_blockwise([300, 200, 400]),
-                masks.varlen_full([250, 450])]
-    for _ in range(12):
-        n, tq, tk = int(rng.integers(1, 6)), int(rng.integers(64, 700)), int(rng.integers(64, 700))
-        qs, ks = np.sort(rng.integers(0, tq, (n, 2)), axis=1), np.sort(rng.integers(0, tk, (n, 2)), axis=1)
-        types = [["full", "causal", "inv_causal", "bi_causal"][int(t)] for t in rng.integers(0, 4, n)]
-        families.append(AttnMask(qs, ks, types, tq, tk))
-    skipped = 0
-    for mask in families:
-        assert wg_skip_misses(mask) == 0
-        skipped += wg_skip_cells(mask) < walk_cells(mask, 64)
-    assert skipped >= len(families) // 2  # the rule does skip on most of them
 
 
 def test_masked_wg_steps_counts_the_backward_pairs_no_row_of_which_attends():

@@ -15,9 +15,8 @@ unmasked cells:
                the same block, such as a document's causal head and its band, share their key tiles); a
                shared walk needs a shared grid, so its tiles are aligned to multiples of 128 keys;
   union_halves both of the last two;
-  now_n64      the kernel's walk with 64-key tiles (FwdSm90Tile's kBlockN 64 at D 128), both warpgroups;
-  wg_skip64    that walk, each warpgroup passing over the tiles none of its rows attends where the kernel of
-               cuda/experiments/fwd_wg_skip.patch can (wg_skip_cells).
+  now_n64      the kernel's walk with 64-key tiles, both warpgroups (measured in the 31st session: a 64-key
+               step costs +18..+28% cycles, far more than the cells it saves; cuda/NOTES.md).
 
     python cuda/tools/tile_waste.py [case ...]      # default: every case of bench/kernel.py
 
@@ -36,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.kernel import make_cases  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
-from sched_sim import fwd_group_slices, fwd_groups, key_span, row_span  # noqa: E402  (its folder is on sys.path: run as a script or by the tests)
+from sched_sim import fwd_groups, key_span, row_span  # noqa: E402  (its folder is on sys.path: run as a script or by the tests)
 
 BLOCK_M, BLOCK_N, WG_M = 128, 128, 64
 
@@ -75,61 +74,6 @@ def walk_cells(mask: AttnMask, block_n: int = BLOCK_N) -> int:
                    for c0, ke in spans)) * block_n * BLOCK_M
 
 
-def wg_skip_walk(mask: AttnMask, block_n: int = 64, stages: int = 4):
-    """The walk of cuda/experiments/fwd_wg_skip.patch, as (first row of a warpgroup, first key of a tile,
-    computed, the group's slice indices) for every warpgroup and key tile: 64-key tiles of the kernel's
-    groups, each warpgroup passing over the tiles that none of its 64 rows attends (outside the union of its
-    rows' key spans in the group), where it can: a tile's first only when its first group is one slice, never
-    the first group's last, never more than stages - 1 in a row (the V of its last computed tile is still
-    held)."""
-    for b, groups in fwd_group_slices(mask, block_n).items():
-        for r0 in range(b * BLOCK_M, (b + 1) * BLOCK_M, WG_M):
-            run = 0  # tiles passed over in a row
-            for g, (c0, ke, slices) in enumerate(groups):
-                lo, hi = 1 << 62, -(1 << 62)
-                for i in slices:
-                    q, k, t = mask.q_ranges[i], mask.k_ranges[i], mask.types[i]
-                    rb, re = max(q[0], r0), min(q[1], r0 + WG_M)
-                    if rb < re:
-                        kl, kh = key_span(q, k, t, rb, re)
-                        if kl < kh:
-                            lo, hi = min(lo, kl), max(hi, kh)
-                n = -(-(ke - c0) // block_n)
-                lead = 0
-                if g == 0 and len(slices) == 1:
-                    lead = min((lo - c0) // block_n if lo < hi else n, n - 1, stages - 1)
-                for j in range(n):
-                    c = c0 + j * block_n
-                    if g == 0 and j < lead:
-                        computed = False
-                    else:
-                        computed = (g == 0 and j == lead) or (lo < hi and c < hi and c + block_n > lo) or \
-                            run == stages - 1
-                    run = 0 if computed else run + 1
-                    yield r0, c, computed, tuple(slices)
-
-
-def wg_skip_cells(mask: AttnMask, block_n: int = 64, stages: int = 4) -> int:
-    """Cells computed by wg_skip_walk's walk."""
-    return sum(block_n * WG_M for _, _, computed, _ in wg_skip_walk(mask, block_n, stages) if computed)
-
-
-def wg_skip_misses(mask: AttnMask, block_n: int = 64) -> int:
-    """Cells of a group's slices that a warpgroup's rows attend in the tiles wg_skip_walk passes over for
-    that group: 0, or the skips would change results (a group computes its own slices' cells only)."""
-    dense = {}
-    misses = 0
-    for r0, c, computed, slices in wg_skip_walk(mask, block_n):
-        if computed:
-            continue
-        if slices not in dense:
-            dense[slices] = AttnMask(mask.q_ranges[list(slices)], mask.k_ranges[list(slices)],
-                                     [mask.types[i] for i in slices], mask.total_seqlen_q,
-                                     mask.total_seqlen_k).to_dense() > 0
-        misses += int(dense[slices][r0:r0 + WG_M, c:c + block_n].sum())
-    return misses
-
-
 def masked_wg_steps(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> tuple[int, int]:
     """(fully masked pairs, all pairs) of the backward's walk (scheduler.h KvStep: per k block and slice, the
     row steps of block_m from the first row attending the block's keys) by its two warpgroups' key halves."""
@@ -152,7 +96,7 @@ def masked_wg_steps(mask: AttnMask, block_n: int = 128, block_m: int = 64) -> tu
 def main() -> int:
     wanted = sys.argv[1:]
     print(f"{'case':26s} {'now':>7s} {'slices':>7s} {'wg_tiles':>9s} {'wg_halves':>10s} {'union':>7s} "
-          f"{'union_halves':>13s} {'now_n64':>8s} {'wg_skip64':>10s}")
+          f"{'union_halves':>13s} {'now_n64':>8s}")
     for case in make_cases():
         if wanted and case.name not in wanted:
             continue
@@ -160,8 +104,8 @@ def main() -> int:
         ratios = [walk_cells(case.mask) / area] + [
             computed_cells(case.mask, rows, halves, union) / area for rows, halves, union in
             ((BLOCK_M, False, False), (WG_M, False, False), (WG_M, True, False), (BLOCK_M, False, True),
-             (WG_M, True, True))] + [walk_cells(case.mask, 64) / area, wg_skip_cells(case.mask) / area]
-        print(f"{case.name:26s} " + " ".join(f"{r:{w}.4f}" for r, w in zip(ratios, (7, 7, 9, 10, 7, 13, 8, 10))))
+             (WG_M, True, True))] + [walk_cells(case.mask, 64) / area]
+        print(f"{case.name:26s} " + " ".join(f"{r:{w}.4f}" for r, w in zip(ratios, (7, 7, 9, 10, 7, 13, 8))))
     print(f"\n{'case':26s} backward (warpgroup, step) pairs fully masked")
     for case in make_cases():
         if wanted and case.name not in wanted:
