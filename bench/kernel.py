@@ -2,7 +2,7 @@
 q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA dense where it fits.
 
 bf16, 16 heads, head dim 128 (else as the case's name says: `_d256`, `_d96`, `_mla192_128` for q / k 192 and v
-128), batch 1 packed. TFLOP/s count the unmasked area only: forward 4 * area * H * D (2 * area * H * (D + Dv)
+128, `_gqa4` for 4 kv heads shared by groups of 4 q heads), batch 1 packed. TFLOP/s count the unmasked area only: forward 4 * area * H * D (2 * area * H * (D + Dv)
 where v's head dim differs), forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
 of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
 `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run), `ffa_nn` the same
@@ -205,6 +205,7 @@ class Case:
     baselines: dict[str, Callable[[], Callable]]  # built lazily: an import or a shape may fail
     head_dim: int = D
     head_dim_v: int | None = None   # v's head dim where it differs from q / k's (MLA-style)
+    heads_kv: int = H               # k / v heads (GQA: fewer than q's H); the FLOPs count q's heads
 
     @property
     def flops(self) -> float:
@@ -252,6 +253,13 @@ def make_cases() -> list[Case]:
         "ffa_nn_traced": lambda: ffa_nn(batch=8, is_causal=True, traced=True),
         "ffa_vmap": lambda: ffa_vmap(8, masks.causal(4096)),
         "jax_nn": lambda: jax_nn_batched(8)}))
+    # Grouped-query attention, as most long-context models train: 4 kv heads for the 16 q heads (the documents
+    # of varlen_causal_32k).
+    gqa_lens = doc_lengths(32768, seed=32768)
+    cases.append(Case("varlen_causal_32k_gqa4", masks.varlen_causal(gqa_lens), {
+        "cudnn": lambda: cudnn_varlen(gqa_lens),
+        "tokamax": lambda: tokamax(k_start=np.repeat(np.cumsum([0] + gqa_lens[:-1]), gqa_lens), is_causal=True)},
+        heads_kv=4))
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
@@ -273,11 +281,11 @@ def rel_diff(a, b) -> float:
 
 
 def case_inputs(case: Case) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v [1, T, H, D] bf16, the same random values for every implementation."""
+    """q [1, T, H, D], k and v [1, T, heads_kv, D] bf16, the same random values for every implementation."""
     keys = jax.random.split(jax.random.key(0), 3)
-    dims = (case.head_dim, case.head_dim, case.head_dim_v or case.head_dim)
-    return tuple(jax.random.normal(kk, (1, case.mask.total_seqlen_q, H, d), jnp.bfloat16)
-                 for kk, d in zip(keys, dims))
+    shapes = ((H, case.head_dim), (case.heads_kv, case.head_dim), (case.heads_kv, case.head_dim_v or case.head_dim))
+    return tuple(jax.random.normal(kk, (1, case.mask.total_seqlen_q, h, d), jnp.bfloat16)
+                 for kk, (h, d) in zip(keys, shapes))
 
 
 def jitted(fn: Callable, mode: str) -> Callable:

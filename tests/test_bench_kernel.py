@@ -83,6 +83,23 @@ def test_run_case_times_every_impl_over_rounds(kernel_bench):
         assert r["rel_diff_vs_ffa"] < 2e-2, r       # bf16 inputs, two implementations
 
 
+def test_gqa_case_gives_k_and_v_its_kv_heads(kernel_bench):
+    # The grouped-query case: k, v with 4 heads beside q's 16, FLOPs on q's heads; a toy of it on the CPU
+    # runs ffa against XLA's dense attention (which takes the groups itself) with close results.
+    from magi_jax import masks
+    case = next(c for c in kernel_bench.make_cases() if c.name == "varlen_causal_32k_gqa4")
+    assert case.heads_kv == 4 and case.mask.num_slices > 1
+    mask = masks.varlen_causal([96, 160])
+    toy = kernel_bench.Case("toy", mask, {"xla_dense": lambda: kernel_bench.xla_dense(mask)}, head_dim=64, heads_kv=4)
+    q, k, v = kernel_bench.case_inputs(toy)
+    assert q.shape == (1, 256, kernel_bench.H, 64) and k.shape == v.shape == (1, 256, 4, 64)
+    assert toy.flops == 2.0 * mask.area() * kernel_bench.H * 128
+    results = []
+    kernel_bench.run_case(toy, ["ffa", "xla_dense"], results, rounds=1)
+    dense = [r for r in results if r["impl"] == "xla_dense"]
+    assert len(dense) == 2 and all(r["rel_diff_vs_ffa"] < 2e-2 for r in dense), dense
+
+
 def test_gpu_table_times_over_ffa(kernel_bench):
     results = [dict(row("swa", "ffa", "fwd", 400.0), gpu_ms=0.5), dict(row("swa", "cudnn", "fwd", 410.0), gpu_ms=0.48),
                dict(row("swa", "ffa", "fwd+bwd", 350.0), gpu_ms=2.0), row("swa", "cudnn", "fwd+bwd", 340.0)]
