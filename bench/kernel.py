@@ -9,7 +9,8 @@ of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm9
 kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids as constants: slices built on
 the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included), `ffa_vmap`
 flex_flash_attn under jax.vmap over causal_4k_x8's batch (one causal mask per element, packed into one call
-by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch. Every implementation's
+by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch, `ffa_kv_repeat` the
+grouped-query case with k and v repeated to the q heads (run as multi-head). Every implementation's
 output (and dq) is compared with FFA's before it is timed. The last lines check the targets of the speed
 issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
@@ -144,6 +145,17 @@ def ffa_nn(batch: int = 1, lens: list[int] | None = None, traced: bool = False, 
     return fn
 
 
+def ffa_kv_repeat(mask: AttnMask) -> Callable:
+    """FFA with k and v repeated to q's heads: a grouped-query case run as multi-head (the backward's CTAs then
+    one per q head, jax.grad summing dk, dv over each group), to price the grouped backward's own order."""
+    call = ffa(mask)
+
+    def fn(q, k, v):
+        group = q.shape[2] // k.shape[2]
+        return call(q, jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2))
+    return fn
+
+
 def ffa_vmap(batch: int, mask: AttnMask) -> Callable:
     """flex_flash_attn under jax.vmap over the case's tokens as [batch, T / batch], each element `mask`."""
     attn = jax.vmap(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0])
@@ -258,8 +270,8 @@ def make_cases() -> list[Case]:
     gqa_lens = doc_lengths(32768, seed=32768)
     cases.append(Case("varlen_causal_32k_gqa4", masks.varlen_causal(gqa_lens), {
         "cudnn": lambda: cudnn_varlen(gqa_lens),
-        "tokamax": lambda: tokamax(k_start=np.repeat(np.cumsum([0] + gqa_lens[:-1]), gqa_lens), is_causal=True)},
-        heads_kv=4))
+        "tokamax": lambda: tokamax(k_start=np.repeat(np.cumsum([0] + gqa_lens[:-1]), gqa_lens), is_causal=True),
+        "ffa_kv_repeat": lambda: ffa_kv_repeat(masks.varlen_causal(gqa_lens))}, heads_kv=4))
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
@@ -379,7 +391,7 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "jax_nn", "cudnn", "tokamax", "xla_dense")
+           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "jax_nn", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:

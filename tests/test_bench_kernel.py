@@ -85,7 +85,8 @@ def test_run_case_times_every_impl_over_rounds(kernel_bench):
 
 def test_gqa_case_gives_k_and_v_its_kv_heads(kernel_bench):
     # The grouped-query case: k, v with 4 heads beside q's 16, FLOPs on q's heads; a toy of it on the CPU
-    # runs ffa against XLA's dense attention (which takes the groups itself) with close results.
+    # runs ffa against XLA's dense attention (which takes the groups itself) and against FFA on k, v repeated to
+    # the q heads (ffa_kv_repeat, dk and dv summed over each group by jax.grad), with close results.
     from magi_jax import masks
     case = next(c for c in kernel_bench.make_cases() if c.name == "varlen_causal_32k_gqa4")
     assert case.heads_kv == 4 and case.mask.num_slices > 1
@@ -94,10 +95,12 @@ def test_gqa_case_gives_k_and_v_its_kv_heads(kernel_bench):
     q, k, v = kernel_bench.case_inputs(toy)
     assert q.shape == (1, 256, kernel_bench.H, 64) and k.shape == v.shape == (1, 256, 4, 64)
     assert toy.flops == 2.0 * mask.area() * kernel_bench.H * 128
+    toy.baselines["ffa_kv_repeat"] = lambda: kernel_bench.ffa_kv_repeat(mask)
     results = []
-    kernel_bench.run_case(toy, ["ffa", "xla_dense"], results, rounds=1)
-    dense = [r for r in results if r["impl"] == "xla_dense"]
-    assert len(dense) == 2 and all(r["rel_diff_vs_ffa"] < 2e-2 for r in dense), dense
+    kernel_bench.run_case(toy, ["ffa", "xla_dense", "ffa_kv_repeat"], results, rounds=1)
+    others = [r for r in results if r["impl"] != "ffa"]
+    assert len(others) == 4 and all(r["rel_diff_vs_ffa"] < 2e-2 for r in others), others
+    assert "ffa_kv_repeat" in case.baselines
 
 
 def test_gpu_table_times_over_ffa(kernel_bench):
