@@ -62,21 +62,23 @@ def test_range_ops_cuda_match_numpy(dtype, features, table):
     xd, wd = (jnp.asarray(a, dtype) for a in (x, w))
     want_x, want_w = (np.zeros((n_out, *a.shape[1:])) for a in (x, w))
     back = np.zeros((n_in, *features))
+    x64, w64 = (np.asarray(a, np.float64) for a in (xd, wd))  # the inputs as rounded to dtype, read once
     for s, e, d in ranges:
         for t in range(e - s):
             if 0 <= s + t < n_in and 0 <= d + t < n_out:
-                want_x[d + t] += np.asarray(xd, np.float64)[s + t]
-                want_w[d + t] += np.asarray(wd, np.float64)[s + t]
+                want_x[d + t] += x64[s + t]
+                want_w[d + t] += w64[s + t]
     gx, gw = jax.jit(lambda a, b, r: comm.range_gather([a, b], r, n_out))(xd, wd, ranges)
     tol = 1e-6 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(gx, np.float64), want_x, rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(gw, np.float64), want_w, rtol=tol, atol=tol)
     y = jnp.asarray(rng.standard_normal((n_out, *features)), dtype)
     (sx,) = comm.range_scatter_add([y], ranges, n_in, out_dtype=jnp.float32)
+    y64 = np.asarray(y, np.float64)
     for s, e, d in ranges:
         for t in range(e - s):
             if 0 <= s + t < n_in and 0 <= d + t < n_out:
-                back[s + t] += np.asarray(y, np.float64)[d + t]
+                back[s + t] += y64[d + t]
     np.testing.assert_allclose(np.asarray(sx), back, rtol=1e-5, atol=1e-5)
     # In place from an init: covered rows init + sum, the others untouched (bitwise).
     init = jnp.asarray(rng.standard_normal((n_in, *features)), dtype)
