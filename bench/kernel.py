@@ -2,8 +2,8 @@
 q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA dense where it fits.
 
 bf16, 16 heads, head dim 128 (else as the case's name says: `_d256`, `_d96`, `_mla192_128` for q / k 192 and v
-128, `_gqa4` for 4 kv heads shared by groups of 4 q heads), batch 1 packed. TFLOP/s count the unmasked area only: forward 4 * area * H * D (2 * area * H * (D + Dv)
-where v's head dim differs), forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
+128, `_gqa4` for 4 kv heads shared by groups of 4 q heads), batch 1 packed. TFLOP/s count the unmasked area
+only: forward 4 * area * H * D (2 * area * H * (D + Dv) where v's head dim differs), forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
 of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
 `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run), `ffa_nn` the same
 kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids as constants: slices built on
@@ -55,11 +55,16 @@ sys.path.insert(0, str(ROOT))  # run as a script: make the repository's bench pa
 from bench.common import doc_lengths, gpu_seconds_per_call, median_seconds, positive_int, ratio_text  # noqa: E402
 
 
+def doc_starts(lens: list[int]) -> np.ndarray:
+    """Each token's document start, documents of `lens` packed end to end (tokamax's k_start for
+    masks.varlen_causal(lens))."""
+    return np.repeat(np.cumsum([0] + lens[:-1]), lens)
+
+
 def window_start(lens: list[int], window: int) -> np.ndarray:
     """Each token's first visible key under a causal sliding window inside its document: the document's start
     or window - 1 keys back (tokamax's k_start for masks.sliding_window(lens, window))."""
-    start = np.repeat(np.cumsum([0] + lens[:-1]), lens)
-    return np.maximum(start, np.arange(sum(lens)) - (window - 1))
+    return np.maximum(doc_starts(lens), np.arange(sum(lens)) - (window - 1))
 
 
 def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
@@ -237,14 +242,14 @@ def make_cases() -> list[Case]:
         "ffa_nn_traced": lambda: ffa_nn(is_causal=True, traced=True)}))
     for t in (32768, 65536):
         lens = doc_lengths(t, seed=t)
-        starts = np.repeat(np.cumsum([0] + lens[:-1]), lens)
+        starts = doc_starts(lens)
         cases.append(Case(f"varlen_causal_{t // 1024}k", masks.varlen_causal(lens), {
             "cudnn": (lambda lens=lens: cudnn_varlen(lens)),
             "tokamax": (lambda s=starts: tokamax(k_start=s, is_causal=True)),
             "ffa_nn": (lambda lens=lens: ffa_nn(lens=lens, is_causal=True)),
             "ffa_nn_traced": (lambda lens=lens: ffa_nn(lens=lens, is_causal=True, traced=True))}))
     docs = doc_lengths(32768, seed=32768)
-    start = np.repeat(np.cumsum([0] + docs[:-1]), docs)  # each token's document start
+    start = doc_starts(docs)
     pos = np.arange(32768)
     block_end = np.minimum(start + ((pos - start) // 2048 + 1) * 2048, np.repeat(np.cumsum(docs), docs))
     cases.append(Case("varlen_block_causal_32k", masks.block_causal(docs, 2048), {
@@ -265,13 +270,13 @@ def make_cases() -> list[Case]:
         "ffa_nn_traced": lambda: ffa_nn(batch=8, is_causal=True, traced=True),
         "ffa_vmap": lambda: ffa_vmap(8, masks.causal(4096)),
         "jax_nn": lambda: jax_nn_batched(8)}))
-    # Grouped-query attention, as most long-context models train: 4 kv heads for the 16 q heads (the documents
-    # of varlen_causal_32k).
-    gqa_lens = doc_lengths(32768, seed=32768)
-    cases.append(Case("varlen_causal_32k_gqa4", masks.varlen_causal(gqa_lens), {
-        "cudnn": lambda: cudnn_varlen(gqa_lens),
-        "tokamax": lambda: tokamax(k_start=np.repeat(np.cumsum([0] + gqa_lens[:-1]), gqa_lens), is_causal=True),
-        "ffa_kv_repeat": lambda: ffa_kv_repeat(masks.varlen_causal(gqa_lens))}, heads_kv=4))
+    # Grouped-query attention, as most long-context models train: 4 kv heads for the 16 q heads, on `docs`
+    # (doc_lengths(32768, seed=32768): the documents of varlen_causal_32k).
+    gqa_mask = masks.varlen_causal(docs)
+    cases.append(Case("varlen_causal_32k_gqa4", gqa_mask, {
+        "cudnn": lambda: cudnn_varlen(docs),
+        "tokamax": lambda: tokamax(k_start=start, is_causal=True),
+        "ffa_kv_repeat": lambda: ffa_kv_repeat(gqa_mask)}, heads_kv=4))
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))

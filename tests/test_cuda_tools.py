@@ -95,6 +95,7 @@ def test_tile_waste_counts_the_walks_cells():
     narrow = AttnMask([[0, 128]], [[0, 60]], ["full"], 128, 60)
     assert walk_cells(narrow) == 128 * 128
     assert walk_cells(narrow, 64) == 128 * 64
+    # A band of 65 keys a row (bi-causal over 192 keys): three tiles of 64.
     band = AttnMask([[0, 128]], [[0, 192]], ["bi_causal"], 128, 192)
     assert walk_cells(band, 64) == 3 * 128 * 64
 
