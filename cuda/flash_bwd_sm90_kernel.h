@@ -32,6 +32,11 @@
 // no extra barrier.
 // Epilogue: dK (scaled) and dV packed into the (now idle) Q / dO rings in the 128-byte swizzle, one TMA store
 // per 64-column chunk and warpgroup (keys past the end clipped by TMA).
+// GQA split (kGqaSplit, D 128 with kDq): a CTA per (k block, q head) instead of per (k block, kv head), so
+// that the tile order's L2 sections hold one q head's Q / dO rather than the whole group's
+// (launch_bwd_sm90.cu). The walk and the mainloop are those of a group of 1; the CTAs of a kv head's q heads
+// each add their dK, dV partials into fp32 accumulators by TMA reduce-adds (staged like the split-D dQ:
+// 32-column boxes through dq_buf), which the handler converts to the output dtype afterwards (handlers.cu).
 #pragma once
 
 #include "block_lists.h"
@@ -64,6 +69,10 @@ struct BwdSm90Params {
   const int32_t* tiles;
   int num_kb;
   BwdParams base;
+  // The GQA split's accumulators (kGqaSplit; the CTAs' tiles are then k block + num_kb * q head):
+  // base.dk_accum, base.dv_accum [Tk, Hkv, D] fp32 as (32, D / 32, Hkv, Tk), boxes (32, 1, 1,
+  // kKeysPerWarpgroup). Last, so that the fields above keep their offsets (the other kernels' code unchanged).
+  CUtensorMap dk_accum_map, dv_accum_map;
 };
 
 // The maps holding a CTA's keys (from key c0 on) and the row of c0 in them.
@@ -142,19 +151,20 @@ struct BwdSm90Step {
 constexpr int32_t kStepEnd = 4;  // no step: the walk is over (a row_full phase without data)
 
 // Barrier region layout (Tile::kBarBytes): the mbarriers, then the steps, then per consumer warpgroup and
-// step parity the (q head, first row) of a dQ box, then the CTA's (k block, kv head).
+// step parity the (q head, first row) of a dQ box, then the CTA's (k block, kv head) (kGqaSplit: (k block,
+// q head, kv head)).
 template <int kStages>
 struct BwdSm90Region {
   static constexpr uint32_t kStepOffset = 64;
   static constexpr uint32_t kDqCoordOffset = kStepOffset + kStages * sizeof(BwdSm90Step);
   static constexpr uint32_t kTileOffset = kDqCoordOffset + 4 * 8;
-  static constexpr uint32_t kBytes = kTileOffset + 8;
+  static constexpr uint32_t kBytes = kTileOffset + 12;
   static_assert(sizeof(BwdSm90Barriers<kStages>) <= kStepOffset, "mbarriers fit before the steps");
 };
 
-// The CTA's k block (field 0) or kv head (field 1), which thread 0 decodes into the barrier region
-// (kTileOffset) at the start. Read where used, by a volatile load: held in registers across the consumer loop
-// (at R229 of its 232), they put the kernels into spills.
+// The CTA's k block (field 0) or kv head (field 1; kGqaSplit: the q head, its kv head in field 2), which
+// thread 0 decodes into the barrier region (kTileOffset) at the start. Read where used, by a volatile load:
+// held in registers across the consumer loop (at R229 of its 232), they put the kernels into spills.
 MAGI_DEV int CtaTile(uint32_t tile_addr, int field) {
   int v;
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(tile_addr + 4u * field) : "memory");
@@ -250,8 +260,10 @@ MAGI_DEV void SoftcapProbsAndDs(float (&s)[1][NT][4], float (&dp)[1][NT][4], con
 // Named barriers: 1 and 5 (both consumer warpgroups), 3 + cw (the warpgroup's dQ staging), 2 (epilogue).
 // Thread (g, t) of warp w stores row r = 16 w + 8 half + g, columns 8 i + 2 t (+1) of a 64 x 32 fp32 box in
 // the 128-byte swizzle (128-byte lines, one per row, 16-byte units XOR-ed by r & 7 = g): two wavefronts a
-// warp store, the minimum for 256 bytes.
-MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const float (&dq)[16][4], int j,
+// warp store, the minimum for 256 bytes. Box j: columns [32 j, 32 j + 32) of a 64-row C fragment (dQ here;
+// dK, dV of the GQA split's epilogue).
+template <int DT>
+MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const float (&dq)[DT][4], int j,
                            float scale) {
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -450,8 +462,8 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
 }
 
 // kSoftcap: the launcher picks the instantiation (p.base.softcap > 0), as for the forward: the softcap path's
-// tanhf sequences out of the kernels that do not need them.
-template <typename T, int D, bool kDq, bool kSoftcap>
+// tanhf sequences out of the kernels that do not need them. kGqaSplit: a CTA per (k block, q head), see above.
+template <typename T, int D, bool kDq, bool kSoftcap, bool kGqaSplit = false>
 __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     FlashBwdSm90Kernel(const __grid_constant__ BwdSm90Params p) {
   using Tile = BwdSm90Tile<D>;
@@ -459,6 +471,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   constexpr int WK = Tile::kKeysPerWarpgroup;
   using Region = BwdSm90Region<kStages>;
   static_assert(Region::kBytes <= Tile::kBarBytes, "the barrier region holds the steps and the dQ coordinates");
+  static_assert(!kGqaSplit || (D == 128 && kDq), "the GQA split is written for D 128 with dQ (dq_buf stages it)");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = AlignSmem1024(smem_raw);
   unsigned char* sk = smem + Tile::kKOffset;
@@ -492,6 +505,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     const int tile = p.tiles != nullptr ? p.tiles[cta] : int(cta);
     tile_kh[0] = tile % p.num_kb;
     tile_kh[1] = tile / p.num_kb;
+    if constexpr (kGqaSplit) tile_kh[2] = tile / p.num_kb / group;
   }
   __syncthreads();
 
@@ -499,7 +513,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // ------------------------------------------------------------------------------------------ producer
     SetMaxRegsDec<Tile::kProducerRegs>();
     if (warp != 0) return;
-    const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 1);
+    // The tile's head: a kv head, or with kGqaSplit a q head (K / V those of its kv head).
+    const int kb = CtaTile(tile_addr, 0), th = CtaTile(tile_addr, 1), hk = kGqaSplit ? CtaTile(tile_addr, 2) : th;
     const int64_t c0 = int64_t(kb) * BN, c1 = c0 + BN;
     if (lane == 0) {
       PrefetchTensorMap(&p.q_map);
@@ -517,8 +532,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     const SliceWalk walk(args, bp.k_lists, kb / (kKBlock / BN));  // kSplitD: two CTAs per k block's list
     KvStep st;
     for (StartSlice(walk, args, c0, c1, walk.First(args), &st); st.cur >= 0;
-         AdvanceStep(walk, args, c0, c1, group, BM, &st)) {
-      const int h = hk * group + st.head;
+         AdvanceStep(walk, args, c0, c1, kGqaSplit ? 1 : group, BM, &st)) {
+      const int h = kGqaSplit ? th : hk * group + st.head;
       if (lane == 0) {
         MbarWait(&bars.row_empty[ps.stage], ps.phase ^ 1);
         // Q and dO first: their transfer overlaps the lse / delta loads below (one float per row, stride Hq,
@@ -824,6 +839,33 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   }
 
   // -------------------------------------------------------------------------------------------- epilogue
+  if constexpr (kGqaSplit) {
+    // dK (x scale) and dV of the warpgroup's 64 keys reduce-added into the fp32 accumulators, one 64 x 32 box
+    // at a time through its own dq_buf, as the split-D consumers drain dQ (nothing of the other warpgroup's is
+    // touched: no barrier 2). Each box's sync after the issuing thread's BulkWaitRead orders the last
+    // reduce-add's read of dq_buf (the last dQ's, then the previous box's) before the threads' stores.
+    const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 2);
+    const int row = kb * BN + cw * WK;  // no second key source in split mode: the accumulators' row
+    auto reduce_box = [&](const CUtensorMap* map, const float (&acc)[DT][4], int j, float scale) {
+      BulkWaitRead();
+      NamedBarrierSync(3 + cw, 128);
+      StoreDqBox32(dq_buf, wwarp, g, t, acc, j, scale);
+      FenceProxyAsyncShared();
+      NamedBarrierSync(3 + cw, 128);  // the box is in dq_buf
+      if (wtid == 0) {
+        TmaReduceAdd4d(map, dq_buf, 0, j, hk, row);  // keys past Tk skipped by TMA
+        BulkCommit();
+      }
+      __syncwarp();
+    };
+#pragma unroll
+    for (int j = 0; j < D / 32; ++j) {
+      reduce_box(&p.dk_accum_map, dk, j, bp.scale);
+      reduce_box(&p.dv_accum_map, dv, j, 1.0f);
+    }
+    if (wtid == 0) BulkWaitRead();  // the last box has been read before the CTA's shared memory goes
+    return;
+  }
   // Every wgmma of both warpgroups is done and the producer has nothing in flight: the Q / dO rings are free.
   NamedBarrierSync(2, Tile::kConsumerThreads);
   unsigned char* stage_k = sq;   // [kChunks][BN][64]

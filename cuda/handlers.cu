@@ -1,8 +1,9 @@
 // CUDA handlers of the FFA custom calls (interface: ffi/ffa_interface.h), exported as MagiFfaFwdCuda and
 // MagiFfaBwdCuda and registered by magi_jax/_ffi.py for platform "CUDA".
 //
-// Each handler checks shapes, takes its temporaries (slice lists, delta, the fp32 dq accumulator) from the
-// FFI scratch allocator, and enqueues kernels on the XLA stream; it never synchronises with the host.
+// Each handler checks shapes, takes its temporaries (slice lists, delta, the fp32 dq accumulator, the GQA
+// split's dk / dv accumulators) from the FFI scratch allocator, and enqueues kernels on the XLA stream; it
+// never synchronises with the host.
 // Not marked command-buffer compatible: scratch allocation inside a handler is outside that contract
 // (api.h, Traits::kCmdBufferCompatible); passing the temporaries as extra results would qualify it.
 #include <cuda_runtime.h>
@@ -284,9 +285,21 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const ListSizes q_sizes = deterministic ? SizeLists(dims->tq, kQBlock, dims->num_slices) : ListSizes{0, 0};
   const size_t accum_elems = deterministic ? 0 : size_t(rows) * size_t(dims->d);
   // Chained (dq_f32): the accumulator is dq itself, holding dq_in at the start; else scratch, from zero.
-  const int64_t order_ints = sm90 ? BwdSm90ScratchInts(dims->tk, dims->hkv) : 0;
+  const int64_t order_ints = sm90 ? BwdSm90ScratchInts(dims->tk, dims->hq) : 0;
+  // The sm90 kernel's GQA split (launch.h BwdSm90GqaSplit): dk, dv summed over a CTA per q head in fp32
+  // accumulators (dk's, then dv's), zeroed before the kernel and converted after.
+  bool gqa_split = false;
+  if (sm90) {
+    if (cudaError_t err = BwdSm90GqaSplit(int(dims->d), int(ffi::ByteWidth(q.element_type())), dims->tq, dims->hq,
+                                          dims->hkv, /*reduce_dq=*/!deterministic, /*second_keys=*/*tk2 > 0,
+                                          &gqa_split);
+        err != cudaSuccess)
+      return CudaFailure("dk/dv (sm90) GQA split", err);
+  }
+  const size_t kv_accum_elems = gqa_split ? size_t(dims->tk) * size_t(dims->hkv) * size_t(dims->d) : 0;
   const size_t bytes = Carver::Round(rows * 4) + k_sizes.Bytes() + (deterministic ? q_sizes.Bytes() : 0) +
-                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4)) + Carver::Round(order_ints * 4);
+                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4)) + Carver::Round(order_ints * 4) +
+                       Carver::Round(2 * kv_accum_elems * 4);
   auto carver_or = Carver::Allocate(scratch, bytes);
   if (!carver_or.has_value())
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the backward");
@@ -310,6 +323,10 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.softcap = softcap;
   p.delta = carver.Take<float>(rows);
   int32_t* sm90_order = sm90 ? carver.Take<int32_t>(order_ints) : nullptr;
+  if (gqa_split) {
+    p.dk_accum = carver.Take<float>(2 * kv_accum_elems);
+    p.dv_accum = p.dk_accum + kv_accum_elems;
+  }
   const ListBuffers k_lists = TakeLists(carver, k_sizes, kAxisK, kKBlock);
   p.k_lists = k_lists.View();
   if (cudaError_t err = BuildBlockLists(args, k_lists, stream); err != cudaSuccess)
@@ -404,8 +421,21 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         // mma.sync dk/dv kernel runs.
         cudaError_t dkdv = cudaErrorNotSupported;
         if (sm90) {
+          if (gqa_split) {
+            if (cudaError_t e = cudaMemsetAsync(p.dk_accum, 0, 2 * kv_accum_elems * 4, stream); e != cudaSuccess)
+              return CudaFailure("dk, dv accumulators", e);
+          }
           dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, sm90_order, stream);
           if (dkdv != cudaSuccess && dkdv != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", dkdv);
+          // The split's dk, dv (cudaErrorNotSupported: the mma.sync kernel below writes them instead).
+          if (gqa_split && dkdv == cudaSuccess) {
+            if (cudaError_t e = LaunchDqConvert<T>(p.dk_accum, static_cast<T*>(p.dk), int64_t(kv_accum_elems), stream);
+                e != cudaSuccess)
+              return CudaFailure("dk convert", e);
+            if (cudaError_t e = LaunchDqConvert<T>(p.dv_accum, static_cast<T*>(p.dv), int64_t(kv_accum_elems), stream);
+                e != cudaSuccess)
+              return CudaFailure("dv convert", e);
+          }
         }
         if (dkdv == cudaErrorNotSupported) {
           if (cudaError_t err = LaunchBwdDkDv<T, D>(p, !deterministic, stream); err != cudaSuccess)

@@ -79,12 +79,24 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
 // by TMA reduce-adds when reduce_dq (else dq comes from LaunchBwdDq). Returns cudaErrorNotSupported, having
 // enqueued nothing, when the inputs do not suit TMA: the caller then runs LaunchBwdDkDv. `split`: a second
 // key source (KeySplit); its row must be a multiple of the kernel's keys per CTA (BwdSm90Tile<D>::kBlockN:
-// 128, 64 at D 256), else cudaErrorNotSupported. scratch: BwdSm90ScratchInts(tk, hkv) int32 of device memory
-// (the CTAs' longest-first tile order).
-int64_t BwdSm90ScratchInts(int64_t tk, int64_t hkv);
+// 128, 64 at D 256), else cudaErrorNotSupported. scratch: BwdSm90ScratchInts(tk, hq) int32 of device memory
+// (the CTAs' longest-first tile order; a tile per q head in the GQA split). With p.dk_accum, p.dv_accum
+// given, the GQA split (below), which must apply to the call (else cudaErrorInvalidValue): dK, dV are added
+// into them, not written to p.dk, p.dv.
+int64_t BwdSm90ScratchInts(int64_t tk, int64_t hq);
 template <typename T, int D>
 cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scratch, cudaStream_t stream,
                               const KeySplit& split = KeySplit{});
+
+// Whether the sm90 dK/dV kernel's GQA split applies (flash_bwd_sm90_kernel.h kGqaSplit: a CTA per (k block,
+// q head), its dK, dV reduce-added into fp32 accumulators [Tk, Hkv, D] that the caller zeroes before the
+// launch and converts after, LaunchDqConvert): head dim 128, dQ by reduce-adds, no second key source, more q
+// heads than kv heads, and a group's Q and dO (tq rows of `group` q heads) over an L2 section's budget
+// (tile_order.h L2SectionBudget), where the sections of kv heads keep no kv head's walk in L2.
+// MAGI_JAX_SM90_BWD_GQA_SPLIT=1 takes it wherever it can run, =0 never. Read by the handler (to carve the
+// accumulators) and checked by the launcher, at every call.
+cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t hq, int64_t hkv, bool reduce_dq,
+                            bool second_keys, bool* split);
 
 template <typename T>
 cudaError_t LaunchDqConvert(const float* acc, T* dq, int64_t n, cudaStream_t stream);

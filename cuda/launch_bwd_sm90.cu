@@ -1,7 +1,7 @@
 // The sm90 backward's dK/dV launcher (flash_bwd_sm90_kernel.h): tensor maps built on the host from device
 // pointers and static shapes (no synchronisation), the tile order, a grid of (k blocks, kv heads), the
-// instantiations (bf16, fp16) x (D 64, 128, 256) x (dQ by TMA reduce-add or not). D 256: 64-key CTAs
-// (BwdSm90Tile::kSplitD).
+// instantiations (bf16, fp16) x (D 64, 128, 256) x (dQ by TMA reduce-add or not), and at D 128 the GQA split's
+// (k blocks, q heads). D 256: 64-key CTAs (BwdSm90Tile::kSplitD).
 //
 // Tile order: one CTA per (k block, kv head), taken by the hardware in grid order. In k-block order, head
 // after head, the last head's heaviest k blocks started when most of the grid was done and trailed it: a
@@ -10,7 +10,8 @@
 // built on the device, as the forward's scheduler orders its own (tile_order.h): k blocks longest first
 // (work: KvBlockWork, the CTA's row steps), kv heads in L2 sections whose Q and dO fit L2SectionBudget (the
 // CTAs in flight share them), the last section wider. MAGI_JAX_SM90_BWD_ORDER=grid keeps the grid's order
-// (bench/kernel.py ffa_bwd_grid).
+// (bench/kernel.py ffa_bwd_grid). The GQA split (BwdSm90GqaSplit) orders (k block, q head) tiles the same way,
+// with sections of q heads.
 #include <algorithm>
 #include <climits>
 
@@ -38,38 +39,39 @@ __global__ void __launch_bounds__(kWorkWarps * 32) BwdWorkKernel(SliceArgs args,
   if ((threadIdx.x & 31) == 0) work[kb] = w;
 }
 
-// tiles[t] = k block + num_kb * kv head of the grid's t-th CTA (SectionTile over kv heads, sections of `per`).
-__global__ void __launch_bounds__(kTileThreads) BwdTilesKernel(const int32_t* order, int num_kb, int hkv, int per,
+// tiles[t] = k block + num_kb * head of the grid's t-th CTA (SectionTile over the tiles' heads: kv heads, or
+// q heads in the GQA split; sections of `per`).
+__global__ void __launch_bounds__(kTileThreads) BwdTilesKernel(const int32_t* order, int num_kb, int heads, int per,
                                                                const unsigned long long* stats, int ctas,
                                                                int32_t* tiles) {
   WaitPriorGrid();  // the order and its stats
   LaunchDependents();
   const int64_t t = int64_t(blockIdx.x) * kTileThreads + threadIdx.x;
-  if (t >= int64_t(num_kb) * hkv) return;
-  const int tail_first = TailFirstHead(hkv, 1, per, stats[0], stats[1], ctas);
+  if (t >= int64_t(num_kb) * heads) return;
+  const int tail_first = TailFirstHead(heads, 1, per, stats[0], stats[1], ctas);
   int kb, hk;
-  SectionTile(order, num_kb, hkv, per, tail_first, int(t), &kb, &hk);
+  SectionTile(order, num_kb, heads, per, tail_first, int(t), &kb, &hk);
   tiles[t] = kb + num_kb * hk;
 }
 
-// The order's scratch, in int32: [stats: 2 x uint64][work: num_kb][order: num_kb][tiles: num_kb x hkv].
-int64_t OrderInts(int64_t num_kb, int64_t hkv) { return 4 + 2 * num_kb + num_kb * hkv; }
+// The order's scratch, in int32: [stats: 2 x uint64][work: num_kb][order: num_kb][tiles: num_kb x heads].
+int64_t OrderInts(int64_t num_kb, int64_t heads) { return 4 + 2 * num_kb + num_kb * heads; }
 
 // Enqueues the longest-first tile list into scratch and returns it (sp.tiles); nullptr when the grid keeps
-// its own order (no scratch, MAGI_JAX_SM90_BWD_ORDER=grid, or more tiles than int32 indexes).
+// its own order (no scratch, MAGI_JAX_SM90_BWD_ORDER=grid, or more tiles than int32 indexes). heads: the
+// tiles' heads, each CTA walking `group` q heads (kv heads and the GQA group; the GQA split: q heads and 1).
 template <int BN, int BM>
-cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes, int32_t* scratch,
-                           cudaStream_t stream, const int32_t** tiles_out) {
+cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int heads, int group, int d, int elem_bytes,
+                           int32_t* scratch, cudaStream_t stream, const int32_t** tiles_out) {
   *tiles_out = nullptr;
-  if (scratch == nullptr || EnvEquals("MAGI_JAX_SM90_BWD_ORDER", "grid") || int64_t(num_kb) * p.hkv >= INT_MAX)
+  if (scratch == nullptr || EnvEquals("MAGI_JAX_SM90_BWD_ORDER", "grid") || int64_t(num_kb) * heads >= INT_MAX)
     return cudaSuccess;
   int device = 0, sms = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
-  const int group = p.hq / p.hkv;
-  // kv heads per section: their Q and dO, all tq rows of the group's q heads, fit the budget; at least one.
+  // heads per section: their Q and dO, all tq rows of the q heads a tile walks, fit the budget; at least one.
   const int64_t head_bytes = std::max<int64_t>(1, int64_t(p.slices.tq) * d * elem_bytes * 2 * group);
-  const int per = int(std::clamp<int64_t>(L2SectionBudget(device) / head_bytes, 1, p.hkv));
+  const int per = int(std::clamp<int64_t>(L2SectionBudget(device) / head_bytes, 1, heads));
   auto* stats = reinterpret_cast<unsigned long long*>(scratch);
   int32_t* work = scratch + 4;
   int32_t* order = work + num_kb;
@@ -83,9 +85,9 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes
   if (cudaError_t err = LaunchLongestFirst(work, num_kb, false, {order, stats, nullptr, nullptr}, stream);
       err != cudaSuccess)
     return err;
-  const int64_t num_tiles = int64_t(num_kb) * p.hkv;
+  const int64_t num_tiles = int64_t(num_kb) * heads;
   if (cudaError_t err = LaunchKernel(BwdTilesKernel, unsigned((num_tiles + kTileThreads - 1) / kTileThreads),
-                                     kTileThreads, 0, stream, Follows::kOurKernel, order, num_kb, p.hkv, per, stats, sms,
+                                     kTileThreads, 0, stream, Follows::kOurKernel, order, num_kb, heads, per, stats, sms,
                                      tiles);
       err != cudaSuccess)
     return err;
@@ -97,6 +99,7 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int d, int elem_bytes
 // box_cols (64; head dim 256: 32) columns of box_rows rows in 128-byte lines ordered (row, 32-column chunk),
 // 128-byte swizzle (the kernel's StoreDq / StoreDqBox32). The swizzle needs inner boxes of at most 128 bytes, hence the 32-column split; ordering the
 // lines (row, chunk) makes the kernel's staging stores conflict-free. Rows past t are skipped by the reduce.
+// The GQA split's dK / dV accumulators [tk, hkv, d] take the same shape (box_cols 32, 64-key boxes).
 bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, float* base, int t, int h,
                       int d, int box_cols, int box_rows) {
   const cuuint64_t dims[4] = {32, cuuint64_t(d / 32), cuuint64_t(h), cuuint64_t(t)};
@@ -110,8 +113,23 @@ bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map
 
 }  // namespace
 
-// Worst case over the head dims: 64-key CTAs (D 256).
-int64_t BwdSm90ScratchInts(int64_t tk, int64_t hkv) { return OrderInts((tk + 63) / 64, hkv); }
+// Worst case over the head dims (64-key CTAs, D 256) and the tiles' heads (q heads, the GQA split).
+int64_t BwdSm90ScratchInts(int64_t tk, int64_t hq) { return OrderInts((tk + 63) / 64, hq); }
+
+cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t hq, int64_t hkv, bool reduce_dq,
+                            bool second_keys, bool* split) {
+  *split = false;
+  if (d != 128 || !reduce_dq || second_keys || hkv <= 0 || hq <= hkv || EnvEquals("MAGI_JAX_SM90_BWD_GQA_SPLIT", "0"))
+    return cudaSuccess;
+  if (EnvEquals("MAGI_JAX_SM90_BWD_GQA_SPLIT", "1")) {
+    *split = true;
+    return cudaSuccess;
+  }
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  *split = tq * d * elem_bytes * 2 * (hq / hkv) > L2SectionBudget(device);
+  return cudaSuccess;
+}
 
 template <typename T, int D>
 cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scratch, cudaStream_t stream,
@@ -154,6 +172,20 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   if (reduce_dq && (!Aligned16(p.dq_accum) || !EncodeDqAccumMap(encode, &sp.dq_map, p.dq_accum, tq, p.hq, D,
                                                                  Tile::kDqBoxCols, Tile::kBlockM)))
     return cudaErrorNotSupported;
+  // The GQA split, where the caller gives the accumulators (having asked BwdSm90GqaSplit): it must apply here
+  // too, else the caller would convert accumulators that nothing added into.
+  bool gqa = false;
+  if (p.dk_accum != nullptr || p.dv_accum != nullptr) {
+    if (cudaError_t err = BwdSm90GqaSplit(D, int(sizeof(T)), tq, p.hq, p.hkv, reduce_dq, two, &gqa);
+        err != cudaSuccess)
+      return err;
+    if (!gqa || p.dk_accum == nullptr || p.dv_accum == nullptr) return cudaErrorInvalidValue;
+    // 32-column boxes of the warpgroup's 64 keys (the kernel's StoreDqBox32 through dq_buf).
+    if (!Aligned16(p.dk_accum) || !Aligned16(p.dv_accum) ||
+        !EncodeDqAccumMap(encode, &sp.dk_accum_map, p.dk_accum, tk, p.hkv, D, 32, Tile::kKeysPerWarpgroup) ||
+        !EncodeDqAccumMap(encode, &sp.dv_accum_map, p.dv_accum, tk, p.hkv, D, 32, Tile::kKeysPerWarpgroup))
+      return cudaErrorNotSupported;
+  }
   sp.base = p;
   sp.num_kb = num_blocks;
   // MAGI_JAX_SM90_BWD_STAGGER=0: both consumer warpgroups start their walk together.
@@ -161,15 +193,21 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   const bool softcap = p.softcap > 0.0f;
   auto kernel = reduce_dq ? (softcap ? FlashBwdSm90Kernel<T, D, true, true> : FlashBwdSm90Kernel<T, D, true, false>)
                           : (softcap ? FlashBwdSm90Kernel<T, D, false, true> : FlashBwdSm90Kernel<T, D, false, false>);
+  if constexpr (D == 128)  // BwdSm90GqaSplit: D 128 with reduce_dq only
+    if (gqa)
+      kernel = softcap ? FlashBwdSm90Kernel<T, D, true, true, true> : FlashBwdSm90Kernel<T, D, true, false, true>;
+  // The tiles' heads: kv heads, each CTA walking its group's q heads; the GQA split: q heads, one each.
+  const int heads = gqa ? p.hq : p.hkv, group = gqa ? 1 : p.hq / p.hkv;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)
     return err;
-  if (cudaError_t err = BuildTileOrder<Tile::kBlockN, Tile::kBlockM>(p, num_blocks, D, int(sizeof(T)), scratch,
-                                                                     stream, &sp.tiles);
+  if (cudaError_t err = BuildTileOrder<Tile::kBlockN, Tile::kBlockM>(p, num_blocks, heads, group, D, int(sizeof(T)),
+                                                                     scratch, stream, &sp.tiles);
       err != cudaSuccess)
     return err;
-  // Chained to the tiles' kernel where there is one; else it follows the delta pass or a copy.
-  return LaunchKernel(kernel, dim3(num_blocks, p.hkv), Tile::kThreads, Tile::kSmemBytes, stream,
+  // Chained to the tiles' kernel where there is one; else it follows the delta pass or a copy (the GQA
+  // split: the accumulators' memset).
+  return LaunchKernel(kernel, dim3(num_blocks, heads), Tile::kThreads, Tile::kSmemBytes, stream,
                       sp.tiles != nullptr ? Follows::kOurKernel : Follows::kAnything, sp);
 }
 

@@ -62,6 +62,9 @@ struct BwdParams {
   BlockLists k_lists;  // k blocks (dk/dv kernel)
   int hq, hkv;
   float scale, softcap;
+  // [Tk, Hkv, D] fp32, zeroed: the sm90 dK/dV kernel's GQA split adds dK (scaled), dV into them
+  // (BwdSm90GqaSplit, launch.h); null otherwise.
+  float *dk_accum, *dv_accum;
 };
 
 }  // namespace magi_jax::cuda

@@ -273,9 +273,10 @@ def test_chained_launches_give_the_same_bits(deterministic, monkeypatch):
 
 
 # The backward's tile orders (cuda/launch_bwd_sm90.cu): longest first with the default L2 sections, one kv
-# head per section (L2_BYTES=1, the last section wider), one section of all heads (L2_BYTES huge), and the
-# grid's own order (MAGI_JAX_SM90_BWD_ORDER=grid); and the consumer warpgroups starting their walks together
-# rather than half a step apart (MAGI_JAX_SM90_BWD_STAGGER=0: the same work, other timing).
+# head per section (L2_BYTES=1, the last section wider; at 8 / 2 heads, D 128, it takes the GQA split: one q
+# head per section), one section of all heads (L2_BYTES huge), and the grid's own order
+# (MAGI_JAX_SM90_BWD_ORDER=grid); and the consumer warpgroups starting their walks together rather than half a
+# step apart (MAGI_JAX_SM90_BWD_STAGGER=0: the same work, other timing).
 BWD_ORDERS = {"default": {}, "sections_of_one": {"MAGI_JAX_SM90_L2_BYTES": "1"},
               "one_section": {"MAGI_JAX_SM90_L2_BYTES": str(1 << 50)}, "grid": {"MAGI_JAX_SM90_BWD_ORDER": "grid"},
               "even_start": {"MAGI_JAX_SM90_BWD_STAGGER": "0"}}
@@ -293,7 +294,9 @@ def test_backward_tile_orders_against_reference(order, hq, hkv, d, monkeypatch):
 @pytest.mark.parametrize("hq, hkv", [(8, 2), (4, 4)])
 def test_backward_tile_orders_give_the_same_dk_dv(hq, hkv, monkeypatch):
     # A CTA owns its keys' dK and dV whenever it runs: the same bits in every order. dQ is summed by reduce-adds
-    # from all CTAs of a row, in an order that changes with the tiles', so it agrees to rounding.
+    # from all CTAs of a row, in an order that changes with the tiles', so it agrees to rounding. Without the
+    # GQA split, which L2_BYTES=1 would take at 8 / 2 heads (its dK, dV are summed by reduce-adds too).
+    monkeypatch.setenv("MAGI_JAX_SM90_BWD_GQA_SPLIT", "0")
     rng = np.random.default_rng(15)
     mask = masks.varlen_causal([3000, 1024, 200, 2900])
     q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hkv, 128, jnp.bfloat16)
@@ -315,6 +318,34 @@ def test_backward_tile_orders_give_the_same_dk_dv(hq, hkv, monkeypatch):
         np.testing.assert_array_equal(dk.view(np.uint32), want[1].view(np.uint32))
         np.testing.assert_array_equal(dv.view(np.uint32), want[2].view(np.uint32))
         np.testing.assert_allclose(dq, want[0], rtol=2e-2, atol=2e-2 * np.abs(want[0]).max())
+
+
+# The backward's GQA split (cuda/flash_bwd_sm90_kernel.h kGqaSplit: a CTA per (k block, q head), dK and dV
+# reduce-added in fp32 and converted after): forced (MAGI_JAX_SM90_BWD_GQA_SPLIT=1, one L2 section of all q
+# heads at these sizes), forced with the grid's own order, off (=0: a CTA per kv head), and taken by the default
+# rule (MAGI_JAX_SM90_L2_BYTES=1: every group's Q and dO exceed the budget; sections of one q head). The
+# handler reads both variables at every call.
+GQA_SPLIT = {"on": {"MAGI_JAX_SM90_BWD_GQA_SPLIT": "1"},
+             "on_grid_order": {"MAGI_JAX_SM90_BWD_GQA_SPLIT": "1", "MAGI_JAX_SM90_BWD_ORDER": "grid"},
+             "off": {"MAGI_JAX_SM90_BWD_GQA_SPLIT": "0"}, "by_budget": {"MAGI_JAX_SM90_L2_BYTES": "1"}}
+# Documents of uneven lengths (the last k block's keys past Tk clipped: 1893 = 14 x 128 + 101); rows in no
+# slice, a slice with an empty q range, keys nobody attends (dK = dV = 0: accumulators nothing adds into,
+# whole k blocks among them); softcap in fp16 (the split's other instantiations).
+GQA_SPLIT_CASES = {
+    "varlen_causal": (masks.varlen_causal([700, 130, 1063]), {}),
+    "rows_and_keys_with_nothing": (AttnMask([[100, 300], [300, 300], [380, 900]], [[0, 200], [0, 500], [600, 900]],
+                                            ["full", "full", "causal"], 1000, 950), {}),
+    "softcap_fp16": (masks.varlen_causal([300, 1200, 77]), {"dtype": jnp.float16, "softcap": 20.0}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GQA_SPLIT_CASES))
+@pytest.mark.parametrize("split", sorted(GQA_SPLIT))
+def test_backward_gqa_split_against_reference(split, case, monkeypatch):
+    for name, value in GQA_SPLIT[split].items():
+        monkeypatch.setenv(name, value)
+    mask, kwargs = GQA_SPLIT_CASES[case]
+    run_case(mask, hq=8, hkv=2, d=128, seed=41, **kwargs)
 
 
 def test_forward_is_bitwise_repeatable():
