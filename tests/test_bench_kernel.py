@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -198,3 +199,13 @@ def test_window_sweep_bands_walk_the_windows_tiles_unmasked():
     # q block b sees keys [128 b - 1024, 128 b + 128): whole key tiles, nothing masked inside them.
     np.testing.assert_array_equal(dense, ((cols < block_end) & (cols >= block_end - 128 - 1024)).astype(dense.dtype))
     assert ws.ffa_steps(band) == ws.ffa_steps(masks.sliding_window([4096], 1024))
+
+
+def test_gqa_sweep_times_each_setting_and_leaves_the_environment_as_it_was(monkeypatch):
+    from bench import gqa_sweep
+
+    monkeypatch.delenv("MAGI_JAX_SM90_BWD_GQA_SPLIT", raising=False)
+    row = gqa_sweep.sweep_row(tokens=512, kv_heads=2, rounds=1, calls=1)
+    assert sorted(row) == ["auto", "off", "on"]
+    assert all(ms > 0 for ms in row.values()), row
+    assert "MAGI_JAX_SM90_BWD_GQA_SPLIT" not in os.environ

@@ -1,0 +1,64 @@
+"""Where the sm90 backward's GQA split pays: forward+backward of varlen causal masks over tokens and kv heads,
+with the split off, on, and as the library picks it (cuda/launch.h BwdSm90GqaSplit), side by side in one
+process (the handler reads MAGI_JAX_SM90_BWD_GQA_SPLIT at every call, so one jit serves all three).
+
+    python bench/gqa_sweep.py [--tokens 8192 16384 32768] [--kv-heads 8 4 2 1] [--rounds 3]
+
+prints a markdown row per (tokens, kv heads): ms per call of each setting (the median of its rounds, settings in
+turn in each round) and off / auto, on / off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import statistics
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: the repository's packages
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.common import doc_lengths, median_seconds  # noqa: E402
+from bench.kernel import D, H, ffa, jitted  # noqa: E402
+from magi_jax import masks  # noqa: E402
+
+SETTINGS = {"off": "0", "on": "1", "auto": ""}  # "": unset, the library's choice
+
+
+def sweep_row(tokens: int, kv_heads: int, rounds: int, calls: int = 10) -> dict[str, float]:
+    """Median ms per forward+backward call of each setting (each round's sample: 5 x `calls` calls)."""
+    mask = masks.varlen_causal(doc_lengths(tokens, seed=tokens))
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(kk, (1, tokens, h, D), jnp.bfloat16) for kk, h in zip(keys, (H, kv_heads, kv_heads)))
+    step = jitted(ffa(mask), "fwd+bwd")
+    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    for _ in range(rounds):
+        for name, value in SETTINGS.items():
+            os.environ["MAGI_JAX_SM90_BWD_GQA_SPLIT"] = value
+            times[name].append(median_seconds(step, q, k, v, reps=5, calls=calls) * 1e3)
+    os.environ.pop("MAGI_JAX_SM90_BWD_GQA_SPLIT")
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--kv-heads", type=int, nargs="+", default=[8, 4, 2, 1])
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    print(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; bf16, {H} q heads, D {D}, varlen causal, "
+          "forward+backward ms per call")
+    print("| tokens | kv heads | off | on | auto | off / auto | on / off |\n|---|---|---|---|---|---|---|")
+    for tokens in a.tokens:
+        for kv_heads in a.kv_heads:
+            t = sweep_row(tokens, kv_heads, a.rounds)
+            print(f"| {tokens} | {kv_heads} | {t['off']:.3f} | {t['on']:.3f} | {t['auto']:.3f} | "
+                  f"{t['off'] / t['auto']:.3f} | {t['on'] / t['off']:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
