@@ -2,10 +2,11 @@
 with the split off, on, and as the library picks it (cuda/launch.h BwdSm90GqaSplit), side by side in one
 process (the handler reads MAGI_JAX_SM90_BWD_GQA_SPLIT at every call, so one jit serves all three).
 
-    python bench/gqa_sweep.py [--tokens 8192 16384 32768] [--kv-heads 8 4 2 1] [--rounds 3]
+    python bench/gqa_sweep.py [--tokens 8192 16384 32768] [--kv-heads 8 4 2 1] [--rounds 3] [--stage-call]
 
 prints a markdown row per (tokens, kv heads): ms per call of each setting (the median of its rounds, settings in
-turn in each round) and off / auto, on / off.
+turn in each round) and off / auto, on / off. --stage-call times instead the backward call of a staged
+distributed backward's stage (every key a second source's, K and V packed: magi_jax/dist_attn.py).
 """
 
 from __future__ import annotations
@@ -24,22 +25,34 @@ import jax.numpy as jnp  # noqa: E402
 
 from bench.common import doc_lengths, median_seconds  # noqa: E402
 from bench.kernel import D, H, ffa, jitted  # noqa: E402
-from magi_jax import masks  # noqa: E402
+from magi_jax import ffa as ffa_ops, masks  # noqa: E402
 
 SETTINGS = {"off": "0", "on": "1", "auto": ""}  # "": unset, the library's choice
 
 
-def sweep_row(tokens: int, kv_heads: int, rounds: int, calls: int = 10) -> dict[str, float]:
-    """Median ms per forward+backward call of each setting (each round's sample: 5 x `calls` calls)."""
+def stage_call(mask, q, k, v):
+    """The backward call of a stage (ffa._bwd_call, keys only in a packed second source) and its inputs."""
+    qr, kr, types = (jnp.asarray(a) for a in mask.kernel_args())
+    q, k, v = q[0], k[0], v[0]
+    out, lse = ffa_ops._fwd_call(q, k, v, qr, kr, types, D ** -0.5, 0.0)
+    none = jnp.zeros((0, *k.shape[1:]), k.dtype)
+    call = jax.jit(lambda q, kv, out, lse: ffa_ops._bwd_call(
+        q, none, none, out, out, lse, jnp.zeros_like(lse), qr, kr, types, D ** -0.5, 0.0, False, k2=kv))
+    return call, (q, jnp.stack([k, v], axis=1), out, lse)
+
+
+def sweep_row(tokens: int, kv_heads: int, rounds: int, calls: int = 10, stage: bool = False) -> dict[str, float]:
+    """Median ms per forward+backward call (stage: per stage backward call) of each setting (each round's
+    sample: 5 x `calls` calls)."""
     mask = masks.varlen_causal(doc_lengths(tokens, seed=tokens))
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (1, tokens, h, D), jnp.bfloat16) for kk, h in zip(keys, (H, kv_heads, kv_heads)))
-    step = jitted(ffa(mask), "fwd+bwd")
+    step, args = stage_call(mask, q, k, v) if stage else (jitted(ffa(mask), "fwd+bwd"), (q, k, v))
     times: dict[str, list[float]] = {name: [] for name in SETTINGS}
     for _ in range(rounds):
         for name, value in SETTINGS.items():
             os.environ["MAGI_JAX_SM90_BWD_GQA_SPLIT"] = value
-            times[name].append(median_seconds(step, q, k, v, reps=5, calls=calls) * 1e3)
+            times[name].append(median_seconds(step, *args, reps=5, calls=calls) * 1e3)
     os.environ.pop("MAGI_JAX_SM90_BWD_GQA_SPLIT")
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -49,13 +62,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
     ap.add_argument("--kv-heads", type=int, nargs="+", default=[8, 4, 2, 1])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stage-call", action="store_true")
     a = ap.parse_args()
+    what = "a stage's backward call (keys packed in the second source)" if a.stage_call else "forward+backward"
     print(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; bf16, {H} q heads, D {D}, varlen causal, "
-          "forward+backward ms per call")
+          f"{what}: ms per call")
     print("| tokens | kv heads | off | on | auto | off / auto | on / off |\n|---|---|---|---|---|---|---|")
     for tokens in a.tokens:
         for kv_heads in a.kv_heads:
-            t = sweep_row(tokens, kv_heads, a.rounds)
+            t = sweep_row(tokens, kv_heads, a.rounds, stage=a.stage_call)
             print(f"| {tokens} | {kv_heads} | {t['off']:.3f} | {t['on']:.3f} | {t['auto']:.3f} | "
                   f"{t['off'] / t['auto']:.3f} | {t['on'] / t['off']:.3f} |", flush=True)
 

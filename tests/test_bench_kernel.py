@@ -205,7 +205,8 @@ def test_gqa_sweep_times_each_setting_and_leaves_the_environment_as_it_was(monke
     from bench import gqa_sweep
 
     monkeypatch.delenv("MAGI_JAX_SM90_BWD_GQA_SPLIT", raising=False)
-    row = gqa_sweep.sweep_row(tokens=512, kv_heads=2, rounds=1, calls=1)
-    assert sorted(row) == ["auto", "off", "on"]
-    assert all(ms > 0 for ms in row.values()), row
+    for stage in (False, True):
+        row = gqa_sweep.sweep_row(tokens=512, kv_heads=2, rounds=1, calls=1, stage=stage)
+        assert sorted(row) == ["auto", "off", "on"]
+        assert all(ms > 0 for ms in row.values()), row
     assert "MAGI_JAX_SM90_BWD_GQA_SPLIT" not in os.environ
