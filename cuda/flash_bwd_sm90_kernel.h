@@ -70,8 +70,8 @@ struct BwdSm90Params {
   int num_kb;
   BwdParams base;
   // The GQA split's accumulators (kGqaSplit; the CTAs' tiles are then k block + num_kb * q head):
-  // base.dk_accum, base.dv_accum [Tk, Hkv, D] fp32 as (32, D / 32, Hkv, Tk), boxes (32, 1, 1,
-  // kKeysPerWarpgroup). Last, so that the fields above keep their offsets (the other kernels' code unchanged).
+  // base.dk_accum, base.dv_accum [Tk, Hkv, D] fp32 (rows base.accum_row_heads heads apart) as (32, D / 32,
+  // Hkv, Tk), boxes (32, 1, 1, kKeysPerWarpgroup). Last, so that the fields above keep their offsets (the other kernels' code unchanged).
   CUtensorMap dk_accum_map, dv_accum_map;
 };
 
@@ -845,7 +845,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // touched: no barrier 2). Each box's sync after the issuing thread's BulkWaitRead orders the last
     // reduce-add's read of dq_buf (the last dQ's, then the previous box's) before the threads' stores.
     const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 2);
-    const int row = kb * BN + cw * WK;  // no second key source in split mode: the accumulators' row
+    const int row = kb * BN + cw * WK;  // one key source in split mode, from key 0: the accumulators' row
     auto reduce_box = [&](const CUtensorMap* map, const float (&acc)[DT][4], int j, float scale) {
       BulkWaitRead();
       NamedBarrierSync(3 + cw, 128);

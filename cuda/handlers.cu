@@ -286,13 +286,14 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const size_t accum_elems = deterministic ? 0 : size_t(rows) * size_t(dims->d);
   // Chained (dq_f32): the accumulator is dq itself, holding dq_in at the start; else scratch, from zero.
   const int64_t order_ints = sm90 ? BwdSm90ScratchInts(dims->tk, dims->hq) : 0;
-  // The sm90 kernel's GQA split (launch.h BwdSm90GqaSplit): dk, dv summed over a CTA per q head in fp32
-  // accumulators (dk's, then dv's), zeroed before the kernel and converted after.
+  // The sm90 kernel's GQA split (launch.h BwdSm90GqaSplit): dk, dv (of the sole key source: k, or k2 for a
+  // staged distributed backward's stage call) summed over a CTA per q head in fp32 accumulators, zeroed
+  // before the kernel and converted after (convert_kv_accum below).
   bool gqa_split = false;
   if (sm90) {
     if (cudaError_t err = BwdSm90GqaSplit(int(dims->d), int(ffi::ByteWidth(q.element_type())), dims->tq, dims->hq,
-                                          dims->hkv, /*reduce_dq=*/!deterministic, /*second_keys=*/*tk2 > 0,
-                                          &gqa_split);
+                                          dims->hkv, /*reduce_dq=*/!deterministic,
+                                          /*two_sources=*/tk1 > 0 && *tk2 > 0, &gqa_split);
         err != cudaSuccess)
       return CudaFailure("dk/dv (sm90) GQA split", err);
   }
@@ -323,9 +324,13 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.softcap = softcap;
   p.delta = carver.Take<float>(rows);
   int32_t* sm90_order = sm90 ? carver.Take<int32_t>(order_ints) : nullptr;
+  // Laid out as the gradients they become: dk's rows then dv's, or for a packed second source one block of
+  // rows holding dv's heads after dk's, as dk2 does (then one convert covers both).
+  const bool accum_packed = *tk2 > 0 && kv2_packed;
   if (gqa_split) {
     p.dk_accum = carver.Take<float>(2 * kv_accum_elems);
-    p.dv_accum = p.dk_accum + kv_accum_elems;
+    p.dv_accum = p.dk_accum + (accum_packed ? size_t(dims->hkv) * size_t(dims->d) : kv_accum_elems);
+    p.accum_row_heads = accum_packed ? int(2 * dims->hkv) : 0;
   }
   const ListBuffers k_lists = TakeLists(carver, k_sizes, kAxisK, kKBlock);
   p.k_lists = k_lists.View();
@@ -367,11 +372,32 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                                      stream)
                    : LaunchBwdDelta<T, D>(p, stream);
     if (delta_err != cudaSuccess) return CudaFailure("delta", delta_err);
+    // The GQA split's accumulators: zeroed before the kernel, and after it (dk, dv: the sole source's
+    // gradients) converted into them.
+    const size_t kv_bytes4 = 2 * kv_accum_elems * 4;
+    auto convert_kv_accum = [&](void* dk_out, void* dv_out) -> cudaError_t {
+      if (accum_packed)
+        return LaunchDqConvert<T>(p.dk_accum, static_cast<T*>(dk_out), int64_t(2 * kv_accum_elems), stream);
+      if (cudaError_t e = LaunchDqConvert<T>(p.dk_accum, static_cast<T*>(dk_out), int64_t(kv_accum_elems), stream);
+          e != cudaSuccess)
+        return e;
+      return LaunchDqConvert<T>(p.dv_accum, static_cast<T*>(dv_out), int64_t(kv_accum_elems), stream);
+    };
     bool enqueued = false;  // dK, dV and dQ's reduce-adds, by the sm90 kernel on both key sources
     if (split.row >= 0 && sm90 && !deterministic) {
+      if (gqa_split)
+        if (cudaError_t e = cudaMemsetAsync(p.dk_accum, 0, kv_bytes4, stream); e != cudaSuccess)
+          return CudaFailure("dk, dv accumulators", e);
       const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream, split);
       if (err != cudaSuccess && err != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", err);
       enqueued = err == cudaSuccess;
+      if (enqueued && gqa_split)
+        if (cudaError_t e = convert_kv_accum(split.dk2, split.dv2); e != cudaSuccess)
+          return CudaFailure("dk2, dv2 convert", e);
+    }
+    if (split.row >= 0 && !enqueued && gqa_split) {  // the concat fallback below writes dk, dv itself
+      p.dk_accum = p.dv_accum = nullptr;
+      gqa_split = false;
     }
     const bool concat = split.row >= 0 && !enqueued;
     const size_t row_bytes = size_t(dims->hkv) * D * sizeof(T), bytes1 = size_t(tk1) * row_bytes,
@@ -421,21 +447,14 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         // mma.sync dk/dv kernel runs.
         cudaError_t dkdv = cudaErrorNotSupported;
         if (sm90) {
-          if (gqa_split) {
-            if (cudaError_t e = cudaMemsetAsync(p.dk_accum, 0, 2 * kv_accum_elems * 4, stream); e != cudaSuccess)
+          if (gqa_split)
+            if (cudaError_t e = cudaMemsetAsync(p.dk_accum, 0, kv_bytes4, stream); e != cudaSuccess)
               return CudaFailure("dk, dv accumulators", e);
-          }
           dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, sm90_order, stream);
           if (dkdv != cudaSuccess && dkdv != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", dkdv);
           // The split's dk, dv (cudaErrorNotSupported: the mma.sync kernel below writes them instead).
-          if (gqa_split && dkdv == cudaSuccess) {
-            if (cudaError_t e = LaunchDqConvert<T>(p.dk_accum, static_cast<T*>(p.dk), int64_t(kv_accum_elems), stream);
-                e != cudaSuccess)
-              return CudaFailure("dk convert", e);
-            if (cudaError_t e = LaunchDqConvert<T>(p.dv_accum, static_cast<T*>(p.dv), int64_t(kv_accum_elems), stream);
-                e != cudaSuccess)
-              return CudaFailure("dv convert", e);
-          }
+          if (gqa_split && dkdv == cudaSuccess)
+            if (cudaError_t e = convert_kv_accum(p.dk, p.dv); e != cudaSuccess) return CudaFailure("dk, dv convert", e);
         }
         if (dkdv == cudaErrorNotSupported) {
           if (cudaError_t err = LaunchBwdDkDv<T, D>(p, !deterministic, stream); err != cudaSuccess)

@@ -87,8 +87,8 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int heads, int group,
     return err;
   const int64_t num_tiles = int64_t(num_kb) * heads;
   if (cudaError_t err = LaunchKernel(BwdTilesKernel, unsigned((num_tiles + kTileThreads - 1) / kTileThreads),
-                                     kTileThreads, 0, stream, Follows::kOurKernel, order, num_kb, heads, per, stats, sms,
-                                     tiles);
+                                     kTileThreads, 0, stream, Follows::kOurKernel, order, num_kb, heads, per, stats,
+                                     sms, tiles);
       err != cudaSuccess)
     return err;
   *tiles_out = tiles;
@@ -100,10 +100,12 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int heads, int group,
 // 128-byte swizzle (the kernel's StoreDq / StoreDqBox32). The swizzle needs inner boxes of at most 128 bytes, hence the 32-column split; ordering the
 // lines (row, chunk) makes the kernel's staging stores conflict-free. Rows past t are skipped by the reduce.
 // The GQA split's dK / dV accumulators [tk, hkv, d] take the same shape (box_cols 32, 64-key boxes).
+// row_heads: heads from one row to the next (0: h; the GQA split's accumulators of a packed second source).
 bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, float* base, int t, int h,
-                      int d, int box_cols, int box_rows) {
+                      int d, int box_cols, int box_rows, int row_heads = 0) {
   const cuuint64_t dims[4] = {32, cuuint64_t(d / 32), cuuint64_t(h), cuuint64_t(t)};
-  const cuuint64_t strides[3] = {32 * 4, cuuint64_t(d) * 4, cuuint64_t(h) * d * 4};  // bytes, dims 1-3
+  const cuuint64_t strides[3] = {32 * 4, cuuint64_t(d) * 4,
+                                 cuuint64_t(row_heads > 0 ? row_heads : h) * d * 4};  // bytes, dims 1-3
   const cuuint32_t box[4] = {32, cuuint32_t(box_cols / 32), 1, cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, elem_strides,
@@ -117,9 +119,9 @@ bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map
 int64_t BwdSm90ScratchInts(int64_t tk, int64_t hq) { return OrderInts((tk + 63) / 64, hq); }
 
 cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t hq, int64_t hkv, bool reduce_dq,
-                            bool second_keys, bool* split) {
+                            bool two_sources, bool* split) {
   *split = false;
-  if (d != 128 || !reduce_dq || second_keys || hkv <= 0 || hq <= hkv || EnvEquals("MAGI_JAX_SM90_BWD_GQA_SPLIT", "0"))
+  if (d != 128 || !reduce_dq || two_sources || hkv <= 0 || hq <= hkv || EnvEquals("MAGI_JAX_SM90_BWD_GQA_SPLIT", "0"))
     return cudaSuccess;
   if (EnvEquals("MAGI_JAX_SM90_BWD_GQA_SPLIT", "1")) {
     *split = true;
@@ -173,17 +175,20 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
                                                                  Tile::kDqBoxCols, Tile::kBlockM)))
     return cudaErrorNotSupported;
   // The GQA split, where the caller gives the accumulators (having asked BwdSm90GqaSplit): it must apply here
-  // too, else the caller would convert accumulators that nothing added into.
+  // too, else the caller would convert accumulators that nothing added into. One source holds every key (the
+  // first, or the second from key 0: split_row 0), so a CTA's keys c0.. are rows c0.. of the accumulators.
   bool gqa = false;
   if (p.dk_accum != nullptr || p.dv_accum != nullptr) {
-    if (cudaError_t err = BwdSm90GqaSplit(D, int(sizeof(T)), tq, p.hq, p.hkv, reduce_dq, two, &gqa);
+    if (cudaError_t err = BwdSm90GqaSplit(D, int(sizeof(T)), tq, p.hq, p.hkv, reduce_dq, first && two && tk2 > 0,
+                                          &gqa);
         err != cudaSuccess)
       return err;
     if (!gqa || p.dk_accum == nullptr || p.dv_accum == nullptr) return cudaErrorInvalidValue;
     // 32-column boxes of the warpgroup's 64 keys (the kernel's StoreDqBox32 through dq_buf).
+    const int rows = p.slices.tk, rh = p.accum_row_heads;
     if (!Aligned16(p.dk_accum) || !Aligned16(p.dv_accum) ||
-        !EncodeDqAccumMap(encode, &sp.dk_accum_map, p.dk_accum, tk, p.hkv, D, 32, Tile::kKeysPerWarpgroup) ||
-        !EncodeDqAccumMap(encode, &sp.dv_accum_map, p.dv_accum, tk, p.hkv, D, 32, Tile::kKeysPerWarpgroup))
+        !EncodeDqAccumMap(encode, &sp.dk_accum_map, p.dk_accum, rows, p.hkv, D, 32, Tile::kKeysPerWarpgroup, rh) ||
+        !EncodeDqAccumMap(encode, &sp.dv_accum_map, p.dv_accum, rows, p.hkv, D, 32, Tile::kKeysPerWarpgroup, rh))
       return cudaErrorNotSupported;
   }
   sp.base = p;

@@ -62,9 +62,11 @@ struct BwdParams {
   BlockLists k_lists;  // k blocks (dk/dv kernel)
   int hq, hkv;
   float scale, softcap;
-  // [Tk, Hkv, D] fp32, zeroed: the sm90 dK/dV kernel's GQA split adds dK (scaled), dV into them
-  // (BwdSm90GqaSplit, launch.h); null otherwise.
+  // fp32, zeroed: the sm90 dK/dV kernel's GQA split adds dK (scaled), dV into them (BwdSm90GqaSplit,
+  // launch.h); null otherwise. Rows of the call's sole key source, accum_row_heads heads apart (0: Hkv; 2 Hkv
+  // for a second source with K and V packed, dV's heads after dK's in each row, as dk2 holds them).
   float *dk_accum, *dv_accum;
+  int accum_row_heads;
 };
 
 }  // namespace magi_jax::cuda

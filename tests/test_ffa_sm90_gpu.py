@@ -21,7 +21,7 @@ import pytest
 import magi_jax as mj
 from magi_jax import masks
 from magi_jax.mask import AttnMask
-from tests.conftest import check_against_reference, random_qkv
+from tests.conftest import check_against_reference, random_qkv, split_key_grads
 from tests.test_ffa_gpu import _on_gpu, run_case  # noqa: F401  (the module's skip-without-GPU fixture)
 
 pytestmark = pytest.mark.gpu
@@ -347,6 +347,22 @@ def test_backward_gqa_split_against_reference(split, case, monkeypatch):
     mask, kwargs = GQA_SPLIT_CASES[case]
     run_case(mask, hq=8, hkv=2, d=128, seed=41, **kwargs)
 
+
+
+@pytest.mark.parametrize("split, packed", [(0, True), (0, False), (256, True)])
+def test_backward_gqa_split_on_the_second_key_source(split, packed, monkeypatch):
+    # A staged distributed backward's stage call (split 0: every key the second source's) takes the split too,
+    # its accumulators laid out as dk2 (packed: dV's heads after dK's in each row); with keys in both sources
+    # (256) it does not apply, forced or not. Against the same keys in one array with the split off.
+    rng = np.random.default_rng(43 + split)
+    mask = masks.varlen_causal([700, 130, 1063])
+    q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 8, 2, 128, jnp.bfloat16)
+    monkeypatch.setenv("MAGI_JAX_SM90_BWD_GQA_SPLIT", "0")
+    want, _ = split_key_grads(mask, q, k, v, split, packed=packed)
+    monkeypatch.setenv("MAGI_JAX_SM90_BWD_GQA_SPLIT", "1")
+    _, got = split_key_grads(mask, q, k, v, split, packed=packed)
+    for name, a, b in zip(["dq", "dk", "dv"], want, got):
+        _assert_close_rel(b, a, 1e-2, name)   # dk, dv: fp32 sums rounded once; dq: the reduce-adds' order
 
 def test_forward_is_bitwise_repeatable():
     rng = np.random.default_rng(12)
