@@ -297,11 +297,17 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         err != cudaSuccess)
       return CudaFailure("dk/dv (sm90) GQA split", err);
   }
-  const size_t kv_accum_elems = gqa_split ? size_t(dims->tk) * size_t(dims->hkv) * size_t(dims->d) : 0;
+  size_t kv_accum_elems = gqa_split ? size_t(dims->tk) * size_t(dims->hkv) * size_t(dims->d) : 0;
   const size_t bytes = Carver::Round(rows * 4) + k_sizes.Bytes() + (deterministic ? q_sizes.Bytes() : 0) +
-                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4)) + Carver::Round(order_ints * 4) +
-                       Carver::Round(2 * kv_accum_elems * 4);
-  auto carver_or = Carver::Allocate(scratch, bytes);
+                       (dq_f32 ? 0 : Carver::Round(accum_elems * 4)) + Carver::Round(order_ints * 4);
+  auto carver_or = Carver::Allocate(scratch, bytes + Carver::Round(2 * kv_accum_elems * 4));
+  // The split's accumulators (2 Tk Hkv D fp32) are scratch that a CTA per kv head does without: where they do
+  // not fit, that kernel runs instead of failing the call.
+  if (!carver_or.has_value() && gqa_split) {
+    gqa_split = false;
+    kv_accum_elems = 0;
+    carver_or = Carver::Allocate(scratch, bytes);
+  }
   if (!carver_or.has_value())
     return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for the backward");
   Carver& carver = *carver_or;
