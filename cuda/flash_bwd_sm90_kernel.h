@@ -71,7 +71,8 @@ struct BwdSm90Params {
   BwdParams base;
   // The GQA split's accumulators (kGqaSplit; the CTAs' tiles are then k block + num_kb * q head):
   // base.dk_accum, base.dv_accum [Tk, Hkv, D] fp32 (rows base.accum_row_heads heads apart) as (32, D / 32,
-  // Hkv, Tk), boxes (32, 1, 1, kKeysPerWarpgroup). Last, so that the fields above keep their offsets (the other kernels' code unchanged).
+  // Hkv, Tk), boxes (32, 1, 1, kKeysPerWarpgroup). Last, so that the fields above keep their offsets (the
+  // other kernels' code unchanged).
   CUtensorMap dk_accum_map, dv_accum_map;
 };
 

@@ -378,9 +378,11 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                                      stream)
                    : LaunchBwdDelta<T, D>(p, stream);
     if (delta_err != cudaSuccess) return CudaFailure("delta", delta_err);
-    // The GQA split's accumulators: zeroed before the kernel, and after it (dk, dv: the sole source's
-    // gradients) converted into them.
-    const size_t kv_bytes4 = 2 * kv_accum_elems * 4;
+    // The GQA split's accumulators: zeroed here, before whichever launch of the sm90 kernel below takes them,
+    // and after it converted into dk, dv (the sole source's gradients).
+    if (gqa_split)
+      if (cudaError_t e = cudaMemsetAsync(p.dk_accum, 0, 2 * kv_accum_elems * 4, stream); e != cudaSuccess)
+        return CudaFailure("dk, dv accumulators", e);
     auto convert_kv_accum = [&](void* dk_out, void* dv_out) -> cudaError_t {
       if (accum_packed)
         return LaunchDqConvert<T>(p.dk_accum, static_cast<T*>(dk_out), int64_t(2 * kv_accum_elems), stream);
@@ -391,9 +393,6 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     };
     bool enqueued = false;  // dK, dV and dQ's reduce-adds, by the sm90 kernel on both key sources
     if (split.row >= 0 && sm90 && !deterministic) {
-      if (gqa_split)
-        if (cudaError_t e = cudaMemsetAsync(p.dk_accum, 0, kv_bytes4, stream); e != cudaSuccess)
-          return CudaFailure("dk, dv accumulators", e);
       const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream, split);
       if (err != cudaSuccess && err != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", err);
       enqueued = err == cudaSuccess;
@@ -453,9 +452,6 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         // mma.sync dk/dv kernel runs.
         cudaError_t dkdv = cudaErrorNotSupported;
         if (sm90) {
-          if (gqa_split)
-            if (cudaError_t e = cudaMemsetAsync(p.dk_accum, 0, kv_bytes4, stream); e != cudaSuccess)
-              return CudaFailure("dk, dv accumulators", e);
           dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, sm90_order, stream);
           if (dkdv != cudaSuccess && dkdv != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", dkdv);
           // The split's dk, dv (cudaErrorNotSupported: the mma.sync kernel below writes them instead).

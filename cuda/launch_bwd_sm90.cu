@@ -57,6 +57,10 @@ __global__ void __launch_bounds__(kTileThreads) BwdTilesKernel(const int32_t* or
 // The order's scratch, in int32: [stats: 2 x uint64][work: num_kb][order: num_kb][tiles: num_kb x heads].
 int64_t OrderInts(int64_t num_kb, int64_t heads) { return 4 + 2 * num_kb + num_kb * heads; }
 
+// What a tile head's CTAs read of Q and dO: all tq rows of the `group` q heads each walks. The L2 sections hold
+// as many tile heads as fit the budget; the GQA split is taken where one kv head's group alone does not.
+int64_t TileHeadQdoBytes(int64_t tq, int d, int elem_bytes, int64_t group) { return tq * d * elem_bytes * 2 * group; }
+
 // Enqueues the longest-first tile list into scratch and returns it (sp.tiles); nullptr when the grid keeps
 // its own order (no scratch, MAGI_JAX_SM90_BWD_ORDER=grid, or more tiles than int32 indexes). heads: the
 // tiles' heads, each CTA walking `group` q heads (kv heads and the GQA group; the GQA split: q heads and 1).
@@ -70,7 +74,7 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int heads, int group,
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
   // heads per section: their Q and dO, all tq rows of the q heads a tile walks, fit the budget; at least one.
-  const int64_t head_bytes = std::max<int64_t>(1, int64_t(p.slices.tq) * d * elem_bytes * 2 * group);
+  const int64_t head_bytes = std::max<int64_t>(1, TileHeadQdoBytes(p.slices.tq, d, elem_bytes, group));
   const int per = int(std::clamp<int64_t>(L2SectionBudget(device) / head_bytes, 1, heads));
   auto* stats = reinterpret_cast<unsigned long long*>(scratch);
   int32_t* work = scratch + 4;
@@ -129,7 +133,7 @@ cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t hq, int64
   }
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  *split = tq * d * elem_bytes * 2 * (hq / hkv) > L2SectionBudget(device);
+  *split = TileHeadQdoBytes(tq, d, elem_bytes, hq / hkv) > L2SectionBudget(device);
   return cudaSuccess;
 }
 

@@ -348,7 +348,6 @@ def test_backward_gqa_split_against_reference(split, case, monkeypatch):
     run_case(mask, hq=8, hkv=2, d=128, seed=41, **kwargs)
 
 
-
 @pytest.mark.parametrize("split, packed", [(0, True), (0, False), (256, True)])
 def test_backward_gqa_split_on_the_second_key_source(split, packed, monkeypatch):
     # A staged distributed backward's stage call (split 0: every key the second source's) takes the split too,
@@ -363,6 +362,7 @@ def test_backward_gqa_split_on_the_second_key_source(split, packed, monkeypatch)
     _, got = split_key_grads(mask, q, k, v, split, packed=packed)
     for name, a, b in zip(["dq", "dk", "dv"], want, got):
         _assert_close_rel(b, a, 1e-2, name)   # dk, dv: fp32 sums rounded once; dq: the reduce-adds' order
+
 
 def test_forward_is_bitwise_repeatable():
     rng = np.random.default_rng(12)
