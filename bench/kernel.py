@@ -1,20 +1,19 @@
 """Kernel benchmark on one GPU: magi_jax FFA (cuda/) against cuDNN (dense, and packed varlen through
 q_offsets/kv_offsets), tokamax's Mosaic GPU attention where importable, and XLA dense where it fits.
 
-bf16, 16 heads, head dim 128 (else as the case's name says: `_d256`, `_d96`, `_mla192_128` for q / k 192 and v
-128, `_gqa4` for 4 kv heads shared by groups of 4 q heads), batch 1 packed. TFLOP/s count the unmasked area
-only: forward 4 * area * H * D (2 * area * H * (D + Dv) where v's head dim differs), forward+backward 3.5x that (DESIGN.md section 5). Forward+backward is jax.grad
-of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90 kernels (TMA + wgmma),
-`ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run), `ffa_nn` the same
-kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids as constants: slices built on
-the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included), `ffa_vmap`
-flex_flash_attn under jax.vmap over causal_4k_x8's batch (one causal mask per element, packed into one call
-by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch, `ffa_kv_repeat` the
-grouped-query case with k and v repeated to the q heads (run as multi-head). Every implementation's
-output (and dq) is compared with FFA's before it is timed. The last lines check the targets of the speed
-issue (ISSUE4_TARGETS).
-Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the
-table to $OUT when set.
+bf16, 16 heads, head dim 128 (else as the case's name says: `_d256`, `_d96`, `_mla192_128` for q / k 192 and v 128,
+`_gqa4` for 4 kv heads shared by groups of 4 q heads), batch 1 packed. TFLOP/s count the unmasked area only: forward
+4 * area * H * D (2 * area * H * (D + Dv) where v's head dim differs), forward+backward 3.5x that (DESIGN.md section
+5). Forward+backward is jax.grad of sum(out), forward included, as in ../shared/peers. `ffa` runs the default sm90
+kernels (TMA + wgmma), `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set only while its own calls run),
+`ffa_nn` the same kernels through magi_jax.dot_product_attention (jax.nn's signature; segment ids as constants:
+slices built on the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included),
+`ffa_vmap` flex_flash_attn under jax.vmap over causal_4k_x8's batch (one causal mask per element, packed into one
+call by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch, `ffa_kv_repeat` the
+grouped-query case with k and v repeated to the q heads (run as multi-head). Every implementation's output (and dq)
+is compared with FFA's before it is timed. The last lines check the targets of the speed issue (ISSUE4_TARGETS).
+Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the table to
+$OUT when set.
 
     python bench/kernel.py                 # all cases
     python bench/kernel.py --cases varlen_causal_64k --no-append
