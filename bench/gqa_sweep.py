@@ -4,9 +4,11 @@ process (the handler reads MAGI_JAX_SM90_BWD_GQA_SPLIT at every call, so one jit
 
     python bench/gqa_sweep.py [--tokens 8192 16384 32768] [--kv-heads 8 4 2 1] [--rounds 3] [--stage-call]
 
-prints a markdown row per (tokens, kv heads): ms per call of each setting (the median of its rounds, settings in
-turn in each round) and off / auto, on / off. --stage-call times instead the backward call of a staged
-distributed backward's stage (every key a second source's, K and V packed: magi_jax/dist_attn.py).
+prints a markdown row per (tokens, kv heads): the backward's CTAs without and with the split (fewer than the
+device's SMs leave SMs idle: cuda/experiments/bwd_gqa_split_idle_sms.patch), ms per call of each setting (the
+median of its rounds, settings in turn in each round) and off / auto, on / off. --stage-call times instead the
+backward call of a staged distributed backward's stage (every key a second source's, K and V packed:
+magi_jax/dist_attn.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bench.kernel import D, H, ffa, jitted  # noqa: E402
 from magi_jax import ffa as ffa_ops, masks  # noqa: E402
 
 SETTINGS = {"off": "0", "on": "1", "auto": ""}  # "": unset, the library's choice
+K_BLOCK = 128  # keys per CTA of the sm90 backward at D 128 (cuda/tile_size_sm90.h BwdSm90Tile)
 
 
 def stage_call(mask, q, k, v):
@@ -65,14 +68,19 @@ def main() -> None:
     ap.add_argument("--stage-call", action="store_true")
     a = ap.parse_args()
     what = "a stage's backward call (keys packed in the second source)" if a.stage_call else "forward+backward"
-    print(f"{jax.devices()[0].device_kind}; jax {jax.__version__}; bf16, {H} q heads, D {D}, varlen causal, "
-          f"{what}: ms per call")
-    print("| tokens | kv heads | off | on | auto | off / auto | on / off |\n|---|---|---|---|---|---|---|")
+    device = jax.devices()[0]
+    print(f"{device.device_kind} ({getattr(device, 'core_count', '?')} SMs); jax {jax.__version__}; bf16, {H} q "
+          f"heads, D {D}, varlen causal, {what}: ms per call; CTAs off / on: the backward's (k block, kv head) "
+          f"and (k block, q head) tiles")
+    print("| tokens | kv heads | CTAs off / on | off | on | auto | off / auto | on / off |\n"
+          "|---|---|---|---|---|---|---|---|")
     for tokens in a.tokens:
         for kv_heads in a.kv_heads:
             t = sweep_row(tokens, kv_heads, a.rounds, stage=a.stage_call)
-            print(f"| {tokens} | {kv_heads} | {t['off']:.3f} | {t['on']:.3f} | {t['auto']:.3f} | "
-                  f"{t['off'] / t['auto']:.3f} | {t['on'] / t['off']:.3f} |", flush=True)
+            k_blocks = -(-tokens // K_BLOCK)
+            print(f"| {tokens} | {kv_heads} | {k_blocks * kv_heads} / {k_blocks * H} | {t['off']:.3f} | "
+                  f"{t['on']:.3f} | {t['auto']:.3f} | {t['off'] / t['auto']:.3f} | {t['on'] / t['off']:.3f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":
