@@ -5,7 +5,7 @@ process (the handler reads MAGI_JAX_SM90_BWD_GQA_SPLIT at every call, so one jit
     python bench/gqa_sweep.py [--tokens 8192 16384 32768] [--kv-heads 8 4 2 1] [--rounds 3] [--stage-call]
 
 prints a markdown row per (tokens, kv heads): the backward's CTAs without and with the split (fewer than the
-device's SMs leave SMs idle: cuda/experiments/bwd_gqa_split_idle_sms.patch), ms per call of each setting (the
+device's SMs leave SMs idle, and the library splits: BwdSm90GqaSplit), ms per call of each setting (the
 median of its rounds, settings in turn in each round) and off / auto, on / off. --stage-call times instead the
 backward call of a staged distributed backward's stage (every key a second source's, K and V packed:
 magi_jax/dist_attn.py).

@@ -291,8 +291,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   // before the kernel and converted after (convert_kv_accum below).
   bool gqa_split = false;
   if (sm90) {
-    if (cudaError_t err = BwdSm90GqaSplit(int(dims->d), int(ffi::ByteWidth(q.element_type())), dims->tq, dims->hq,
-                                          dims->hkv, /*reduce_dq=*/!deterministic,
+    if (cudaError_t err = BwdSm90GqaSplit(int(dims->d), int(ffi::ByteWidth(q.element_type())), dims->tq, dims->tk,
+                                          dims->hq, dims->hkv, /*reduce_dq=*/!deterministic,
                                           /*two_sources=*/tk1 > 0 && *tk2 > 0, &gqa_split);
         err != cudaSuccess)
       return CudaFailure("dk/dv (sm90) GQA split", err);

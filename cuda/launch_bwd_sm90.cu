@@ -101,8 +101,8 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int heads, int group,
 
 // The fp32 dq accumulator [t, h, d] as (32, d / 32, h, t) in boxes of (32, box_cols / 32, 1, box_rows):
 // box_cols (64; head dim 256: 32) columns of box_rows rows in 128-byte lines ordered (row, 32-column chunk),
-// 128-byte swizzle (the kernel's StoreDq / StoreDqBox32). The swizzle needs inner boxes of at most 128 bytes, hence the 32-column split; ordering the
-// lines (row, chunk) makes the kernel's staging stores conflict-free. Rows past t are skipped by the reduce.
+// 128-byte swizzle (the kernel's StoreDq / StoreDqBox32). The swizzle needs inner boxes of at most 128 bytes,
+// hence the 32-column split; ordering the lines (row, chunk) makes the kernel's staging stores conflict-free. Rows past t are skipped by the reduce.
 // The GQA split's dK / dV accumulators [tk, hkv, d] take the same shape (box_cols 32, 64-key boxes).
 // row_heads: heads from one row to the next (0: h; the GQA split's accumulators of a packed second source).
 bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, float* base, int t, int h,
@@ -122,7 +122,7 @@ bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map
 // Worst case over the head dims (64-key CTAs, D 256) and the tiles' heads (q heads, the GQA split).
 int64_t BwdSm90ScratchInts(int64_t tk, int64_t hq) { return OrderInts((tk + 63) / 64, hq); }
 
-cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t hq, int64_t hkv, bool reduce_dq,
+cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t tk, int64_t hq, int64_t hkv, bool reduce_dq,
                             bool two_sources, bool* split) {
   *split = false;
   if (d != 128 || !reduce_dq || two_sources || hkv <= 0 || hq <= hkv || EnvEquals("MAGI_JAX_SM90_BWD_GQA_SPLIT", "0"))
@@ -131,9 +131,12 @@ cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t hq, int64
     *split = true;
     return cudaSuccess;
   }
-  int device = 0;
+  int device = 0, sms = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  *split = TileHeadQdoBytes(tq, d, elem_bytes, hq / hkv) > L2SectionBudget(device);
+  if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
+  // Fewer (k block, kv head) tiles than SMs leave SMs idle for the whole kernel; a CTA per q head fills them.
+  const bool idle_sms = NumBlocks(tk, BwdSm90Tile<128>::kBlockN) * hkv < sms;
+  *split = idle_sms || TileHeadQdoBytes(tq, d, elem_bytes, hq / hkv) > L2SectionBudget(device);
   return cudaSuccess;
 }
 
@@ -183,8 +186,8 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   // first, or the second from key 0: split_row 0), so a CTA's keys c0.. are rows c0.. of the accumulators.
   bool gqa = false;
   if (p.dk_accum != nullptr || p.dv_accum != nullptr) {
-    if (cudaError_t err = BwdSm90GqaSplit(D, int(sizeof(T)), tq, p.hq, p.hkv, reduce_dq, first && two && tk2 > 0,
-                                          &gqa);
+    if (cudaError_t err = BwdSm90GqaSplit(D, int(sizeof(T)), tq, p.slices.tk, p.hq, p.hkv, reduce_dq,
+                                          first && two && tk2 > 0, &gqa);
         err != cudaSuccess)
       return err;
     if (!gqa || p.dk_accum == nullptr || p.dv_accum == nullptr) return cudaErrorInvalidValue;
