@@ -93,8 +93,9 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
 // (BwdParams::dk_accum) that the caller zeroes before the launch and converts after, LaunchDqConvert): head dim
 // 128, dQ by reduce-adds, one key source holding every key (the first, or the second: a staged distributed
 // backward's stage call), more q heads than kv heads, and either fewer (k block, kv head) tiles than the
-// device's SMs (a CTA per kv head leaves SMs idle) or a group's Q and dO (tq rows of `group` q heads) over an L2
-// section's budget (tile_order.h L2SectionBudget), where the sections of kv heads keep no kv head's walk in L2.
+// device's SMs (a CTA per kv head leaves SMs idle) or, for groups of 4 or more, a group's Q and dO (tq rows of
+// `group` q heads) over an L2 section's budget (tile_order.h L2SectionBudget), where the sections of kv heads keep
+// no kv head's walk in L2.
 // MAGI_JAX_SM90_BWD_GQA_SPLIT=1 takes it wherever it can run, =0 never. Read by the handler (to carve the
 // accumulators) and checked by the launcher, at every call.
 cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t tk, int64_t hq, int64_t hkv, bool reduce_dq,

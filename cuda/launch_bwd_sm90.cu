@@ -102,7 +102,8 @@ cudaError_t BuildTileOrder(const BwdParams& p, int num_kb, int heads, int group,
 // The fp32 dq accumulator [t, h, d] as (32, d / 32, h, t) in boxes of (32, box_cols / 32, 1, box_rows):
 // box_cols (64; head dim 256: 32) columns of box_rows rows in 128-byte lines ordered (row, 32-column chunk),
 // 128-byte swizzle (the kernel's StoreDq / StoreDqBox32). The swizzle needs inner boxes of at most 128 bytes,
-// hence the 32-column split; ordering the lines (row, chunk) makes the kernel's staging stores conflict-free. Rows past t are skipped by the reduce.
+// hence the 32-column split; ordering the lines (row, chunk) makes the kernel's staging stores conflict-free.
+// Rows past t are skipped by the reduce.
 // The GQA split's dK / dV accumulators [tk, hkv, d] take the same shape (box_cols 32, 64-key boxes).
 // row_heads: heads from one row to the next (0: h; the GQA split's accumulators of a packed second source).
 bool EncodeDqAccumMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, float* base, int t, int h,
@@ -136,7 +137,12 @@ cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t tk, int64
   if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
   // Fewer (k block, kv head) tiles than SMs leave SMs idle for the whole kernel; a CTA per q head fills them.
   const bool idle_sms = NumBlocks(tk, BwdSm90Tile<128>::kBlockN) * hkv < sms;
-  *split = idle_sms || TileHeadQdoBytes(tq, d, elem_bytes, hq / hkv) > L2SectionBudget(device);
+  // A group's Q and dO over the L2 budget: a CTA per q head walks one head's. Not for groups of 2: there the
+  // split's fp32 dK / dV reduce-adds, memset and convert outweigh the L2 it saves (32k tokens, 16 / 8 heads:
+  // 9% slower on an H100, BENCHMARKS.md 2026-12-06).
+  const int64_t group = hq / hkv;
+  const bool l2_bound = group >= 4 && TileHeadQdoBytes(tq, d, elem_bytes, group) > L2SectionBudget(device);
+  *split = idle_sms || l2_bound;
   return cudaSuccess;
 }
 
