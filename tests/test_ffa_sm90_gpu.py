@@ -323,9 +323,10 @@ def test_backward_tile_orders_give_the_same_dk_dv(hq, hkv, monkeypatch):
 # The backward's GQA split (cuda/flash_bwd_sm90_kernel.h kGqaSplit: a CTA per (k block, q head), dK and dV
 # reduce-added in fp32 and converted after): forced (MAGI_JAX_SM90_BWD_GQA_SPLIT=1, one L2 section of all q
 # heads at these sizes), forced with the grid's own order, off (=0: a CTA per kv head), and taken by the default
-# rule (MAGI_JAX_SM90_L2_BYTES=1: every group's Q and dO exceed the budget; sections of one q head). The
-# handler reads both variables at every call.
-GQA_SPLIT = {"on": {"MAGI_JAX_SM90_BWD_GQA_SPLIT": "1"},
+# rule: as it stands (these calls' 8-15 k blocks x 2 kv heads leave SMs idle) and by its L2 term
+# (MAGI_JAX_SM90_L2_BYTES=1: every group's Q and dO exceed the budget; sections of one q head). The handler
+# reads the variables at every call.
+GQA_SPLIT = {"default": {}, "on": {"MAGI_JAX_SM90_BWD_GQA_SPLIT": "1"},
              "on_grid_order": {"MAGI_JAX_SM90_BWD_GQA_SPLIT": "1", "MAGI_JAX_SM90_BWD_ORDER": "grid"},
              "off": {"MAGI_JAX_SM90_BWD_GQA_SPLIT": "0"}, "by_budget": {"MAGI_JAX_SM90_L2_BYTES": "1"}}
 # Documents of uneven lengths (the last k block's keys past Tk clipped: 1893 = 14 x 128 + 101); rows in no
