@@ -58,7 +58,8 @@ __global__ void __launch_bounds__(kTileThreads) BwdTilesKernel(const int32_t* or
 int64_t OrderInts(int64_t num_kb, int64_t heads) { return 4 + 2 * num_kb + num_kb * heads; }
 
 // What a tile head's CTAs read of Q and dO: all tq rows of the `group` q heads each walks. The L2 sections hold
-// as many tile heads as fit the budget; the GQA split is taken where one kv head's group alone does not.
+// as many tile heads as fit the budget; the GQA split's L2 term (BwdSm90GqaSplit) asks whether one kv head's
+// group alone does.
 int64_t TileHeadQdoBytes(int64_t tq, int d, int elem_bytes, int64_t group) { return tq * d * elem_bytes * 2 * group; }
 
 // Enqueues the longest-first tile list into scratch and returns it (sp.tiles); nullptr when the grid keeps
@@ -139,7 +140,7 @@ cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t tk, int64
   const bool idle_sms = NumBlocks(tk, BwdSm90Tile<128>::kBlockN) * hkv < sms;
   // A group's Q and dO over the L2 budget: a CTA per q head walks one head's. Not for groups of 2: there the
   // split's fp32 dK / dV reduce-adds, memset and convert outweigh the L2 it saves (32k tokens, 16 / 8 heads:
-  // 9% slower on an H100, BENCHMARKS.md 2026-12-06).
+  // the split 8-9% slower on an H100, BENCHMARKS.md 2026-12-06).
   const int64_t group = hq / hkv;
   const bool l2_bound = group >= 4 && TileHeadQdoBytes(tq, d, elem_bytes, group) > L2SectionBudget(device);
   *split = idle_sms || l2_bound;
