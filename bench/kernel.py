@@ -10,7 +10,8 @@ kernels (TMA + wgmma), `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set
 slices built on the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included),
 `ffa_vmap` flex_flash_attn under jax.vmap over causal_4k_x8's batch (one causal mask per element, packed into one
 call by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch, `ffa_kv_repeat` the
-grouped-query case with k and v repeated to the q heads (run as multi-head). Every implementation's output (and dq)
+grouped-query case with k and v repeated to the q heads (run as multi-head), `ffa_pad128` causal_16k_d96 with q, k, v
+padded to head dim 128 (as it ran before its forward's own kernel). Every implementation's output (and dq)
 is compared with FFA's before it is timed. The last lines check the targets of the speed issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the table to
 $OUT when set.
@@ -160,6 +161,19 @@ def ffa_kv_repeat(mask: AttnMask) -> Callable:
     return fn
 
 
+def ffa_pad128(mask: AttnMask) -> Callable:
+    """FFA on q, k, v zero-padded to head dim 128 (the scale kept at their own head dim's): how head dim 96
+    ran before the forward had a kernel of its own, side by side with it."""
+    qr, kr, types_ = mask.kernel_args()
+
+    def fn(q, k, v):
+        d = q.shape[-1]
+        pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, 128 - d)])
+        out = mj.flex_flash_attn(pad(q[0]), pad(k[0]), pad(v[0]), qr, kr, types_, softmax_scale=d ** -0.5)[0]
+        return out[None, ..., :d]
+    return fn
+
+
 def ffa_vmap(batch: int, mask: AttnMask) -> Callable:
     """flex_flash_attn under jax.vmap over the case's tokens as [batch, T / batch], each element `mask`."""
     attn = jax.vmap(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0])
@@ -279,11 +293,13 @@ def make_cases() -> list[Case]:
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
-    # Head dims the kernels do not have, run zero-padded to the next of 64 / 128 / 256 (magi_jax.ffa
-    # pad_head_dims): 96, and MLA's 192 for q / k with 128 for v. TFLOP/s count the unpadded dims.
+    # Head dims the kernels do not have, run zero-padded to the next of them (magi_jax.ffa pad_head_dims): 96's
+    # backward (its forward has a kernel of its own; ffa_pad128 is the forward padded too), and MLA's 192 for
+    # q / k with 128 for v. TFLOP/s count the unpadded dims.
     cases.append(Case("causal_16k_d96", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
-        "tokamax": lambda: tokamax(is_causal=True)}, head_dim=96))
+        "tokamax": lambda: tokamax(is_causal=True),
+        "ffa_pad128": lambda: ffa_pad128(masks.causal(16384))}, head_dim=96))
     cases.append(Case("causal_16k_mla192_128", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal}, head_dim=192, head_dim_v=128))
     return cases
@@ -395,7 +411,8 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "jax_nn", "cudnn", "tokamax", "xla_dense")
+           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_pad128", "jax_nn", "cudnn", "tokamax",
+           "xla_dense")
 
 
 def table(results: list[dict]) -> str:

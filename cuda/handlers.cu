@@ -28,27 +28,34 @@ ffi::Error CudaFailure(const char* what, cudaError_t err) {
   return ffi::Error(ffi::ErrorCode::kInternal, std::string("magi_jax CUDA ") + what + ": " + cudaGetErrorString(err));
 }
 
-// Calls fn(T{}, std::integral_constant<int, D>{}) for the supported element types and head dims (256 only
-// with kWith256: the forward, through the sm90 kernel alone).
-template <bool kWith256 = false, typename Fn>
+// Calls fn(T{}, std::integral_constant<int, D>{}) for the supported element types and head dims: 64, 128
+// and 256, and for the forward (kForward) 96.
+template <bool kForward, typename Fn>
 ffi::Error DispatchTypeAndDim(ffi::DataType dtype, int64_t d, Fn&& fn) {
   auto by_dim = [&](auto tag) -> ffi::Error {
     switch (d) {
       case 64: return fn(tag, std::integral_constant<int, 64>{});
+      case 96:
+        if constexpr (kForward) return fn(tag, std::integral_constant<int, 96>{});
+        break;
       case 128: return fn(tag, std::integral_constant<int, 128>{});
-      case 256:
-        if constexpr (kWith256) return fn(tag, std::integral_constant<int, 256>{});
-        [[fallthrough]];
-      default:
-        return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) + " is not supported by the CUDA " +
-                                           (kWith256 ? "forward (64, 128 or 256)" : "kernels (64 or 128)"));
+      case 256: return fn(tag, std::integral_constant<int, 256>{});
+      default: break;
     }
+    return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) + " is not supported by the CUDA " +
+                                       (kForward ? "forward (64, 96, 128 or 256)" : "backward (64, 128 or 256)"));
   };
   switch (dtype) {
     case ffi::BF16: return by_dim(__nv_bfloat16{});
     case ffi::F16: return by_dim(__half{});
     default: return ffi::Error::InvalidArgument("q, k, v: the CUDA kernels take bfloat16 or float16");
   }
+}
+
+// DispatchTypeAndDim's refusal alone, before any allocation or kernel.
+template <bool kForward>
+ffi::Error CheckTypeAndDim(ffi::DataType dtype, int64_t d) {
+  return DispatchTypeAndDim<kForward>(dtype, d, [](auto, auto) { return ffi::Error::Success(); });
 }
 
 // Hands out aligned pieces of one scratch allocation.
@@ -96,11 +103,11 @@ ffi::ErrorOr<bool> UseSm90(bool sm90_only) {
   return ffi::Error::InvalidArgument("MAGI_JAX_FFA_KERNEL: '" + name + "' is not a kernel (sm90 or mma)");
 }
 
-// Head dim 256 has one CUDA forward, the sm90 one (TMA + wgmma; the mma.sync forward has no D 256 tile: its
-// registers and shared memory are sized for 64 and 128), so D 256 takes it whatever MAGI_JAX_FFA_KERNEL
-// says, on an sm_90 GPU (the only target this library is built for); anything else gets a clear error
-// before any kernel runs. The same for its backward (FfaBwdImpl: the sm90 dK/dV kernel, deterministic=False).
-constexpr int64_t kSm90OnlyHeadDim = 256;
+// Head dims 96 (forward) and 256 have one CUDA kernel each, the sm90 one (TMA + wgmma; the mma.sync kernels
+// have no tiles for them: HasMmaKernels), so they take it whatever MAGI_JAX_FFA_KERNEL says, on an sm_90 GPU
+// (the only target this library is built for); anything else gets a clear error before any kernel runs. The
+// same for D 256's backward (FfaBwdImpl: the sm90 dK/dV kernel, deterministic=False); D 96's backward is
+// refused (magi_jax.ffa runs it zero-padded to 128).
 ffi::Error CheckSm90ForHeadDim(int64_t d) {
   int device = 0, major = 0, minor = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return CudaFailure("device", err);
@@ -165,7 +172,8 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   auto merge = CheckMergeInputs(q, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
 
-  const bool sm90_only = dims->d == kSm90OnlyHeadDim;
+  if (auto err = CheckTypeAndDim</*kForward=*/true>(q.element_type(), dims->d); err.failure()) return err;
+  const bool sm90_only = !HasMmaKernels(int(dims->d));
   if (sm90_only) {
     if (auto err = CheckSm90ForHeadDim(dims->d); err.failure()) return err;
   }
@@ -210,17 +218,17 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     p.out_prev = out->untyped_data();
     p.lse_prev = lse->typed_data();
   }
-  return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
+  return DispatchTypeAndDim</*kForward=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
-    if constexpr (D == kSm90OnlyHeadDim) {
+    if constexpr (!HasMmaKernels(D)) {
       // No mma.sync fallback: inputs TMA cannot take (a pointer not 16-byte aligned, no tensor-map entry
       // point in the driver) are an error.
       const cudaError_t err = LaunchFwdSm90<T, D>(p, q_lists, sm90_scratch, stream);
       if (err == cudaErrorNotSupported)
         return ffi::Error::InvalidArgument(
-            "q: head_dim 256 runs on the sm90 (TMA) forward only, which needs q, k, v and out 16-byte aligned "
-            "and a driver with cuTensorMapEncodeTiled");
+            "q: head_dim " + std::to_string(D) + " runs on the sm90 (TMA) forward only, which needs q, k, v "
+            "and out 16-byte aligned and a driver with cuTensorMapEncodeTiled");
       if (err != cudaSuccess) return CudaFailure("forward (sm90)", err);
       return ffi::Error::Success();
     } else {
@@ -267,7 +275,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   // Head dim 256: the sm90 dK/dV kernel (BwdSm90Tile<256>, the warpgroups split D) with dQ by TMA reduce-add,
   // whatever MAGI_JAX_FFA_KERNEL says; checked before any allocation or kernel. deterministic=True has no D 256
   // kernel: the mma.sync dq kernel's tiles are sized for 64 and 128.
-  const bool sm90_only = dims->d == kSm90OnlyHeadDim;
+  if (auto err = CheckTypeAndDim</*kForward=*/false>(q.element_type(), dims->d); err.failure()) return err;
+  const bool sm90_only = !HasMmaKernels(int(dims->d));
   if (sm90_only) {
     if (auto err = CheckSm90ForHeadDim(dims->d); err.failure()) return err;
     if (deterministic)
@@ -368,7 +377,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     }
   }
 
-  return DispatchTypeAndDim</*kWith256=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
+  return DispatchTypeAndDim</*kForward=*/false>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     // delta given (a split backward's later calls): copied into the scratch the kernels read (4 bytes a row
@@ -428,7 +437,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       p.dv = buf->Take<char>(bytes1 + bytes2);
     }
     if (!enqueued) {
-      if constexpr (D == kSm90OnlyHeadDim) {
+      if constexpr (!HasMmaKernels(D)) {
         // No mma.sync fallback (deterministic=True was refused above). No query rows: dk = dv = 0 (TMA needs
         // a non-empty q map).
         if (dims->tq == 0) {

@@ -44,6 +44,10 @@ struct BwdQTile {
   static constexpr int kSmemBytes = (2 * SmemElems<kBlockM, D>() + 4 * SmemElems<kBlockN, D>()) * 2;
 };
 
+// The head dims of the mma.sync kernels (their shared-memory rows are whole 128-byte lines); the sm90
+// kernels alone run 96 (forward) and 256.
+constexpr bool HasMmaKernels(int d) { return d == 64 || d == 128; }
+
 // The forward and the dq kernel share one block size, so one set of q-block slice lists serves both.
 static_assert(FwdTile<128>::kBlockM == BwdQTile<128>::kBlockM, "q-block lists are shared");
 constexpr int kQBlock = 128;

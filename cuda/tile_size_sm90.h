@@ -4,7 +4,9 @@
 // back their registers), warpgroups 1 and 2 consume, each owning 64 of the 128 rows of a q block (wgmma M is
 // 64 per warpgroup). Keys come in tiles of kBlockN through a kStages-deep ring of K and V buffers.
 // Every tile is stored in 64-column chunks ([rows][64], 128 bytes a row) in the 128-byte swizzle layout, as
-// TMA writes it and wgmma reads it (sm90_ptx.h, SmemDesc128B).
+// TMA writes it and wgmma reads it (sm90_ptx.h, SmemDesc128B). Head dim 96 fills its second chunk half: TMA
+// loads zeros past column 96 and stores nothing there, and the GEMMs read only the 96 columns (S in six k16
+// steps, O += P V at wgmma N 96), so the forward does 3/4 of D 128's work in D 128's buffers.
 #pragma once
 
 #include <cstdint>
@@ -55,14 +57,16 @@ struct FwdSm90Tile {
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   static constexpr int kRowsPerWarpgroup = kBlockM / kConsumerWarpgroups;
-  static constexpr int kChunks = D / 64;
+  static constexpr int kChunks = (D + 63) / 64;
+  static constexpr int kCols = kChunks * 64;  // a tile row in shared memory, D padded to whole chunks
   // setmaxnreg: 128 x 40 + 256 x 232 = 64512 registers, the CTA's pool (168 per thread at launch).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 
-  static constexpr uint32_t kQBytes = kBlockM * D * 2;
-  static constexpr uint32_t kKvBytes = kBlockN * D * 2;  // one K or V tile
-  static constexpr uint32_t kOBytes = kOInQ ? 0 : kBlockM * D * 2;  // output staging (kOInQ: none of its own)
+  // Whole boxes: TMA counts the zeros it fills past D toward the transaction bytes.
+  static constexpr uint32_t kQBytes = kBlockM * kCols * 2;
+  static constexpr uint32_t kKvBytes = kBlockN * kCols * 2;  // one K or V tile
+  static constexpr uint32_t kOBytes = kOInQ ? 0 : kBlockM * kCols * 2;  // output staging (kOInQ: none of its own)
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
   static constexpr uint32_t kVOffset = kKOffset + kStages * kKvBytes;
@@ -71,14 +75,14 @@ struct FwdSm90Tile {
   // The output staging of consumer warpgroup cw starts at kOOffset + cw * kOWgBytes, its 64-column chunks
   // kOChunkBytes apart ([rows][64], 128B swizzle, as the out map's box): a buffer of its own is
   // [warpgroup][chunk][64 rows][64]; in the Q buffer ([chunk][128 rows][64]) the warpgroup's own Q rows.
-  static constexpr int kOWgBytes = kOInQ ? kRowsPerWarpgroup * 128 : kRowsPerWarpgroup * D * 2;
+  static constexpr int kOWgBytes = kOInQ ? kRowsPerWarpgroup * 128 : kRowsPerWarpgroup * kCols * 2;
   static constexpr int kOChunkBytes = kOInQ ? kBlockM * 128 : kRowsPerWarpgroup * 128;
   static constexpr uint32_t kBarBytes = 384;  // FwdSm90Barriers: up to 26 mbarriers, two tile records and walks
   // + 1024 so that the kernel can align the dynamic buffer to the 1024 bytes the swizzle atoms need.
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
 
   static_assert(kBlockM == kQBlock, "the forward kernels share the q-block slice lists");
-  static_assert(D % 64 == 0, "tiles are loaded in 64-column chunks");
+  static_assert(D % 64 == 0 || D == 96, "tiles are loaded in 64-column chunks; 96 is the one partial chunk");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "O += P V takes k16 steps; S is one wgmma N");
   static_assert((kBlockN * 128) % 1024 == 0 && kKvBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(!kOInQ || kQStages == 1, "the Q buffer doubles as O staging only when there is one");

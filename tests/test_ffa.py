@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from jax.sharding import Mesh, PartitionSpec as P
 
 import magi_jax as mj
-from magi_jax import masks
+from magi_jax import ffa, masks
 from magi_jax.mask import AttnMask
 from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, ffi_calls, merged_forward,
                             packed_kv_forward, random_qkv, remat_grads_and_calls, split_key_grads, stacked_slices)
@@ -60,6 +60,27 @@ def test_head_dims_other_than_the_kernels(d, dv):
     out, lse = fn(q, k, v)
     assert out.shape == (160, 4, dv) and lse.shape == (160, 4)
     check_against_reference(fn, mask, q, k, v, rng)
+
+
+def test_head_dim_96_forward_alone_runs_unpadded_and_differentiated_padded_to_128():
+    # The custom calls' operand shapes: a forward alone at 96 (80 padded to it); under jax.grad the forward
+    # and the backward at 128 (the backward has no 96, and the forward's saved q, k, v and out serve it as
+    # they are), the gradients back at 80.
+    mask = masks.varlen_causal([40, 90, 30])
+    q, k, v = random_qkv(np.random.default_rng(5), 160, 160, 4, 2, 80)
+    attn = lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0]
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v))
+
+    def calls(fn):
+        hlo = jax.jit(fn).lower(q, k, v).as_text()
+        return [line for line in hlo.splitlines() if "custom_call" in line and "magi_jax_ffa" in line]
+    forward_alone, differentiated = calls(attn), calls(jax.grad(loss, argnums=(0, 1, 2)))
+    assert len(forward_alone) == 1 and "tensor<160x4x96xf32>" in forward_alone[0], forward_alone
+    assert len(differentiated) == 2, differentiated
+    assert all("tensor<160x4x128xf32>" in c and "x96x" not in c for c in differentiated), differentiated
+    assert attn(q, k, v).shape == (160, 4, 80)
+    assert [g.shape for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v)] == [(160, 4, 80), (160, 2, 80), (160, 2, 80)]
+    assert ffa.kernel_head_dim(80, 48, ffa.FORWARD_HEAD_DIMS) == 96 and ffa.kernel_head_dim(80, 48) == 128
 
 
 def test_softcap_and_scale():

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import magi_jax as mj
-from magi_jax import _ffi, masks
+from magi_jax import _ffi, ffa, masks
 from magi_jax.mask import AttnMask
 from magi_jax.reference import attention_dense, attention_f64
 from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, merged_forward,
@@ -39,9 +39,10 @@ def run_case(mask, hq=2, hkv=2, d=128, dtype=jnp.bfloat16, seed=0, grads=True, *
 
 @pytest.mark.parametrize("mask_type", TYPES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_each_type_alone(mask_type, dtype, d):
-    # Unaligned ranges inside larger tensors: partial blocks on every edge.
+    # Unaligned ranges inside larger tensors: partial blocks on every edge. D 96: the sm90 forward's own (its
+    # second 64-column chunk half filled), the backward padded to 128 (magi_jax.ffa.FORWARD_HEAD_DIMS).
     mask = AttnMask([[5, 350]], [[20, 530]], [mask_type], 360, 545)
     run_case(mask, dtype=dtype, d=d, seed=d)
 
@@ -127,7 +128,7 @@ def test_exported_call_gives_the_direct_calls_bits():
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 96, 128])
 def test_softcap_and_scale(d):
     run_case(masks.sliding_window([300, 400], 150), d=d, softcap=5.0, softmax_scale=0.2)
     run_case(masks.varlen_causal([333, 200]), d=d, softcap=2.0, deterministic=True, seed=1)
@@ -245,23 +246,29 @@ def _fill_free_memory(value, nbytes=1 << 30):
     x.delete()
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_outputs_written_everywhere_whatever_the_garbage(deterministic):
-    # Empty rows, unattended keys and ragged edges, run on NaN garbage and on huge-number garbage.
+@pytest.mark.parametrize("deterministic, d", [(False, 64), (True, 64), (False, 96)])
+def test_outputs_written_everywhere_whatever_the_garbage(deterministic, d):
+    # Empty rows, unattended keys and ragged edges, run on NaN garbage and on huge-number garbage; the forward
+    # alone too (D 96: its own kernel, whose output's second chunk TMA stores up to column 96).
     mask = AttnMask([[50, 400], [420, 777], [0, 30]], [[0, 333], [500, 900], [880, 901]], [1, 3, 0], 777, 901)
     rng = np.random.default_rng(6)
-    q, k, v = random_qkv(rng, 777, 901, 4, 4, 64, jnp.float16)
+    q, k, v = random_qkv(rng, 777, 901, 4, 4, d, jnp.float16)
     dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float16)
     dlse = jnp.asarray(rng.standard_normal(q.shape[:2]), jnp.float32)
     f = _grads_fn(mask, deterministic)
-    jax.block_until_ready(f(q, k, v, dout, dlse))  # compiled before the memory is poisoned
-    runs = []
+    forward = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask))
+    jax.block_until_ready((f(q, k, v, dout, dlse), forward(q, k, v)))  # compiled before the memory is poisoned
+    runs, forwards = [], []
     for garbage in (np.nan, 3.0e38, -1.0):
         _fill_free_memory(garbage)
         runs.append([np.asarray(x, np.float32) for x in f(q, k, v, dout, dlse)])
-    for run in runs:
-        for name, x in zip(("out", "lse", "dq", "dk", "dv"), run):
+        _fill_free_memory(garbage)
+        forwards.append([np.asarray(x, np.float32) for x in forward(q, k, v)])
+    for run, alone in zip(runs, forwards):
+        for name, x in zip(("out", "lse", "dq", "dk", "dv", "out alone", "lse alone"), run + alone):
             assert not np.isnan(x).any(), f"{name}: NaN (an element was not written)"
+        for name, a, b in zip(("out", "lse"), run, alone):
+            np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=f"{name} alone")
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), runs[0], runs[1]):
         np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2, err_msg=name)
     ref = attention_f64(q, k, v, mask, dout=dout, dlse=dlse)
@@ -432,6 +439,19 @@ def test_head_dim_256_backward_rows_and_keys_with_nothing():
     run_case(AttnMask(np.zeros((0, 2), int), np.zeros((0, 2), int), [], 200, 300), d=256)
 
 
+def test_head_dim_96_backward_call_is_refused_by_name():
+    # The backward has no D 96 kernel (flex_flash_attn pads its backward to 128): a direct call is refused
+    # with an error naming head_dim, before any kernel runs.
+    mask = masks.varlen_causal([300, 200])
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, 500, 500, 2, 2, 96, jnp.bfloat16)
+    out, lse = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask))(q, k, v)
+    qr, kr, types = mask.kernel_args()
+    with pytest.raises(Exception, match="head_dim 96 is not supported by the CUDA backward"):
+        jax.block_until_ready(ffa._bwd_call(q, k, v, out, out, lse, jnp.zeros_like(lse), qr, kr, types,
+                                            96 ** -0.5, 0.0, False))
+
+
 @pytest.mark.parametrize("d", [256, 192])
 def test_head_dim_256_deterministic_backward_is_refused_by_name(d):
     # deterministic=True has no D 256 kernel (the mma.sync dq kernel is sized for 64 and 128): a clear error,
@@ -498,7 +518,7 @@ def two_call_case(d: int, seed: int):
     return mask, random_qkv(np.random.default_rng(seed), 700, 700, 4, 2, d, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
     # A distributed stage call reads the receive buffer as is, K and V side by side per row (the sm90 maps
     # and the mma.sync loads at a row stride of 2 Hkv D): the same kernel on the same values.
@@ -508,7 +528,7 @@ def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_merged_forward_leaves_rows_without_keys_as_they_were(d):
     # The merging call's q blocks without keys (rows [0, 512) here: the first four of 128 rows; its slice
     # starts at row 550) are not visited at all: they keep the first call's out and lse bit for bit.
@@ -518,7 +538,7 @@ def test_merged_forward_leaves_rows_without_keys_as_they_were(d):
         np.testing.assert_array_equal(a[:512].view(np.uint8), b[:512].view(np.uint8))
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_forward_merged_into_a_previous_call_matches_one_call(d):
     # The distributed forward's stage calls: the kernel merges its part into the out and lse so far, in place
     # (this file runs on the default sm90 kernels, tests/test_ffa_mma_gpu.py on mma.sync).

@@ -84,7 +84,7 @@ def test_smoke_head_dim_256_backward():
 
 
 @pytest.mark.parametrize("mask_type", ["full", "causal", "inv_causal"])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_forward_rows_whose_max_climbs_along_the_keys(mask_type, d):
     # The forward keeps a row's max while it grows by at most kRescaleSlack (8, log2 units) and rescales O only
     # when it grows by more (flash_fwd_sm90_kernel.h, Sm90RowSoftmax); at D 64 / 128 its mainloop first tries
@@ -147,7 +147,7 @@ def test_persistent_grid_many_tiles_varlen_causal(sched, monkeypatch):
     run_case(mask, hq=16, hkv=4, d=128, grads=False, seed=11)
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_persistent_grid_many_short_walks(d):
     # A window of 128 over 8k tokens x 16 heads: 1024 tiles of about two steps, ~8 a CTA, so the tile warp
     # waits on each Q buffer's release (q_empty) for every tile after a CTA's second, and the K / V warp runs
@@ -176,7 +176,7 @@ GROUP_SLICES = [
 ]
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("capacity", [None, "0"])
 def test_forward_walks_groups_of_slices(d, capacity, monkeypatch):
     # Against the float64 reference, from the block lists and by the scan (capacity 0), at each head dim's
