@@ -11,7 +11,7 @@ slices built on the host), `ffa_nn_traced` with the ids traced (slices built on 
 `ffa_vmap` flex_flash_attn under jax.vmap over causal_4k_x8's batch (one causal mask per element, packed into one
 call by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch, `ffa_kv_repeat` the
 grouped-query case with k and v repeated to the q heads (run as multi-head), `ffa_pad128` causal_16k_d96 with q, k, v
-padded to head dim 128 (as it ran before its forward's own kernel). Every implementation's output (and dq)
+padded to head dim 128 (as it ran before the kernels had head dim 96). Every implementation's output (and dq)
 is compared with FFA's before it is timed. The last lines check the targets of the speed issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the table to
 $OUT when set.
@@ -163,7 +163,7 @@ def ffa_kv_repeat(mask: AttnMask) -> Callable:
 
 def ffa_pad128(mask: AttnMask) -> Callable:
     """FFA on q, k, v zero-padded to head dim 128 (the scale kept at their own head dim's): how head dim 96
-    ran before the forward had a kernel of its own, side by side with it."""
+    ran before the kernels had it, side by side with them."""
     qr, kr, types_ = mask.kernel_args()
 
     def fn(q, k, v):
@@ -293,9 +293,9 @@ def make_cases() -> list[Case]:
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
-    # Head dims the kernels do not have, run zero-padded to the next of them (magi_jax.ffa pad_head_dims): 96's
-    # backward (its forward has a kernel of its own; ffa_pad128 is the forward padded too), and MLA's 192 for
-    # q / k with 128 for v. TFLOP/s count the unpadded dims.
+    # Head dim 96, which the kernels run at its own size (ffa_pad128: padded to 128, as before they did), and
+    # MLA's 192 for q / k with 128 for v, run zero-padded to 256 (magi_jax.ffa pad_head_dims). TFLOP/s count
+    # the unpadded dims.
     cases.append(Case("causal_16k_d96", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True),

@@ -15,34 +15,46 @@ constexpr int kElementwiseThreads = 256;
 // all the group's loads issued first (a CTA per 16 rows with one load each ran at half the bandwidth).
 constexpr int kDeltaUnroll = 4;
 
-// One group of D / 8 lanes per (row, head), 16-byte loads, a shuffle reduction inside the group; a grid of
-// a few CTAs per SM strides over the rows.
+// Lanes per (row, head): D / 8 where that is a power of two (a shuffle group inside a warp), else 4 (D 96:
+// three 16-byte loads each).
+template <int D>
+constexpr int kDeltaLanes = (D / 8) & (D / 8 - 1) ? 4 : D / 8;
+
+// One group of kDeltaLanes<D> lanes per (row, head), 16-byte loads, a shuffle reduction inside the group; a
+// grid of a few CTAs per SM strides over the rows.
 template <typename T, int D>
 __global__ void __launch_bounds__(kElementwiseThreads) BwdDeltaKernel(const T* out, const T* dout,
                                                                       const float* dlse, float* delta,
                                                                       int64_t rows) {
-  constexpr int kLanes = D / 8, kRowsPerPass = kElementwiseThreads / kLanes;
+  constexpr int kLanes = kDeltaLanes<D>, kLoads = D / 8 / kLanes, kRowsPerPass = kElementwiseThreads / kLanes;
   constexpr int kRowsPerIter = kRowsPerPass * kDeltaUnroll;
+  static_assert(kLoads * kLanes * 8 == D, "whole 16-byte loads");
   const int sub = threadIdx.x % kLanes;
   for (int64_t base = int64_t(blockIdx.x) * kRowsPerIter; base < rows; base += int64_t(gridDim.x) * kRowsPerIter) {
-    uint4 a[kDeltaUnroll], b[kDeltaUnroll];
+    uint4 a[kDeltaUnroll][kLoads], b[kDeltaUnroll][kLoads];
 #pragma unroll
     for (int u = 0; u < kDeltaUnroll; ++u) {
       const int64_t row = base + u * kRowsPerPass + threadIdx.x / kLanes;
-      a[u] = b[u] = make_uint4(0, 0, 0, 0);
-      if (row < rows) {
-        a[u] = *reinterpret_cast<const uint4*>(out + row * D + sub * 8);
-        b[u] = *reinterpret_cast<const uint4*>(dout + row * D + sub * 8);
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        a[u][l] = b[u][l] = make_uint4(0, 0, 0, 0);
+        if (row < rows) {
+          a[u][l] = *reinterpret_cast<const uint4*>(out + row * D + (l * kLanes + sub) * 8);
+          b[u][l] = *reinterpret_cast<const uint4*>(dout + row * D + (l * kLanes + sub) * 8);
+        }
       }
     }
 #pragma unroll
     for (int u = 0; u < kDeltaUnroll; ++u) {
       const int64_t row = base + u * kRowsPerPass + threadIdx.x / kLanes;
-      const T* x = reinterpret_cast<const T*>(&a[u]);
-      const T* y = reinterpret_cast<const T*>(&b[u]);
       float sum = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum += Elem<T>::ToFloat(x[i]) * Elem<T>::ToFloat(y[i]);
+      for (int l = 0; l < kLoads; ++l) {
+        const T* x = reinterpret_cast<const T*>(&a[u][l]);
+        const T* y = reinterpret_cast<const T*>(&b[u][l]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += Elem<T>::ToFloat(x[i]) * Elem<T>::ToFloat(y[i]);
+      }
 #pragma unroll
       for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
       if (sub != 0 || row >= rows) continue;

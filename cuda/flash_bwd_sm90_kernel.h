@@ -601,10 +601,12 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   const uint64_t desc_q_k = SmemDesc128B(sq, 16), desc_do_k = SmemDesc128B(sdo, 16);
   const uint64_t desc_q_mn = SmemDesc128B(sq, BM * 128), desc_do_mn = SmemDesc128B(sdo, BM * 128);
   // dQ = dS K: A = dS^T ([keys][rows], MN-major), B = K ([keys][D], MN-major), N = 64.
-  constexpr int kDqSteps = D == 128 ? BN / 16 : WK / 16;
-  const uint64_t desc_ds = SmemDesc128B(sds + (D == 128 ? 0 : cw * (WK * 128)), 64 * 128);
-  const uint64_t desc_k_dq = SmemDesc128B(sk + (D == 128 ? cw * (BN * 128) : cw * (WK * 128)), BN * 128);
-  const int dq_col0 = D == 128 ? cw * 64 : 0;
+  // Two chunks (D 96, 128): each warpgroup one 64-column half of dQ over the 128 keys; one (D 64): its own keys.
+  constexpr bool kDqHalves = kChunks == 2;
+  constexpr int kDqSteps = kDqHalves ? BN / 16 : WK / 16;
+  const uint64_t desc_ds = SmemDesc128B(sds + (kDqHalves ? 0 : cw * (WK * 128)), 64 * 128);
+  const uint64_t desc_k_dq = SmemDesc128B(sk + (kDqHalves ? cw * (BN * 128) : cw * (WK * 128)), BN * 128);
+  const int dq_col0 = kDqHalves ? cw * 64 : 0;
   unsigned char* dq_buf = sdq + cw * Tile::kDqBytes;
   // The (q head, first row) of the warpgroup's dQ boxes, one per step parity: stashed by the issuing thread
   // (wtid 0) while the step's stage is held and read back by it at the drain, after the stage (and its
@@ -625,8 +627,8 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   //   row_full(i) wait | S^T(i), queued behind dQ(i-2) | wait<0> | drain dQ(i-2) (staging store, TMA
   //   reduce-add) | dP^T(i) | wait<1>: S^T(i) has landed, P^T = exp2(..) while dP^T(i) runs (not with
   //   softcap: dS^T needs the capped score too) | wait<0> | dS^T, pack P^T, dS^T -> finish(i)
-  // dQ(i) = dS(i) K reads both warpgroups' dS^T(i) (D 128: the 128 keys; D 64: its own 64), yet issued a step
-  // late it waits for the other warpgroup's only then: the warpgroups need not run in step, and warpgroup 1
+  // dQ(i) = dS(i) K reads both warpgroups' dS^T(i) (D 96, 128: the 128 keys; D 64: its own 64), yet issued a
+  // step late it waits for the other warpgroup's only then: the warpgroups need not run in step, and warpgroup 1
   // starts half a step behind (p.stagger) so that one's softmax runs under the other's GEMMs (in step, both
   // waited on the same wgmmas and left the tensor cores idle together). The handshake: a warpgroup arrives
   // on its barrier kDsReady + 2 w + (i & 1) once dS^T(i) is in place, the other syncs on it before dQ(i); by

@@ -28,22 +28,19 @@ ffi::Error CudaFailure(const char* what, cudaError_t err) {
   return ffi::Error(ffi::ErrorCode::kInternal, std::string("magi_jax CUDA ") + what + ": " + cudaGetErrorString(err));
 }
 
-// Calls fn(T{}, std::integral_constant<int, D>{}) for the supported element types and head dims: 64, 128
-// and 256, and for the forward (kForward) 96.
-template <bool kForward, typename Fn>
+// Calls fn(T{}, std::integral_constant<int, D>{}) for the supported element types and head dims.
+template <typename Fn>
 ffi::Error DispatchTypeAndDim(ffi::DataType dtype, int64_t d, Fn&& fn) {
   auto by_dim = [&](auto tag) -> ffi::Error {
     switch (d) {
       case 64: return fn(tag, std::integral_constant<int, 64>{});
-      case 96:
-        if constexpr (kForward) return fn(tag, std::integral_constant<int, 96>{});
-        break;
+      case 96: return fn(tag, std::integral_constant<int, 96>{});
       case 128: return fn(tag, std::integral_constant<int, 128>{});
       case 256: return fn(tag, std::integral_constant<int, 256>{});
-      default: break;
+      default:
+        return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) +
+                                           " is not supported by the CUDA kernels (64, 96, 128 or 256)");
     }
-    return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) + " is not supported by the CUDA " +
-                                       (kForward ? "forward (64, 96, 128 or 256)" : "backward (64, 128 or 256)"));
   };
   switch (dtype) {
     case ffi::BF16: return by_dim(__nv_bfloat16{});
@@ -53,9 +50,8 @@ ffi::Error DispatchTypeAndDim(ffi::DataType dtype, int64_t d, Fn&& fn) {
 }
 
 // DispatchTypeAndDim's refusal alone, before any allocation or kernel.
-template <bool kForward>
 ffi::Error CheckTypeAndDim(ffi::DataType dtype, int64_t d) {
-  return DispatchTypeAndDim<kForward>(dtype, d, [](auto, auto) { return ffi::Error::Success(); });
+  return DispatchTypeAndDim(dtype, d, [](auto, auto) { return ffi::Error::Success(); });
 }
 
 // Hands out aligned pieces of one scratch allocation.
@@ -103,11 +99,10 @@ ffi::ErrorOr<bool> UseSm90(bool sm90_only) {
   return ffi::Error::InvalidArgument("MAGI_JAX_FFA_KERNEL: '" + name + "' is not a kernel (sm90 or mma)");
 }
 
-// Head dims 96 (forward) and 256 have one CUDA kernel each, the sm90 one (TMA + wgmma; the mma.sync kernels
-// have no tiles for them: HasMmaKernels), so they take it whatever MAGI_JAX_FFA_KERNEL says, on an sm_90 GPU
-// (the only target this library is built for); anything else gets a clear error before any kernel runs. The
-// same for D 256's backward (FfaBwdImpl: the sm90 dK/dV kernel, deterministic=False); D 96's backward is
-// refused (magi_jax.ffa runs it zero-padded to 128).
+// Head dims 96 and 256 have one CUDA forward and one backward each, the sm90 ones (TMA + wgmma; the mma.sync
+// kernels have no tiles for them: HasMmaKernels), so they take them whatever MAGI_JAX_FFA_KERNEL says, on an
+// sm_90 GPU (the only target this library is built for); anything else gets a clear error before any kernel
+// runs. Their backward is the dK/dV kernel with dQ by TMA reduce-add: deterministic=False only.
 ffi::Error CheckSm90ForHeadDim(int64_t d) {
   int device = 0, major = 0, minor = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return CudaFailure("device", err);
@@ -172,7 +167,7 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   auto merge = CheckMergeInputs(q, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
 
-  if (auto err = CheckTypeAndDim</*kForward=*/true>(q.element_type(), dims->d); err.failure()) return err;
+  if (auto err = CheckTypeAndDim(q.element_type(), dims->d); err.failure()) return err;
   const bool sm90_only = !HasMmaKernels(int(dims->d));
   if (sm90_only) {
     if (auto err = CheckSm90ForHeadDim(dims->d); err.failure()) return err;
@@ -218,7 +213,7 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     p.out_prev = out->untyped_data();
     p.lse_prev = lse->typed_data();
   }
-  return DispatchTypeAndDim</*kForward=*/true>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
+  return DispatchTypeAndDim(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     if constexpr (!HasMmaKernels(D)) {
@@ -272,17 +267,17 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const int64_t tk1 = dims->tk;
   dims->tk += *tk2;  // the kernels' key space: concat(k, k2)
   if (auto err = CheckSizes(*dims); err.failure()) return err;
-  // Head dim 256: the sm90 dK/dV kernel (BwdSm90Tile<256>, the warpgroups split D) with dQ by TMA reduce-add,
-  // whatever MAGI_JAX_FFA_KERNEL says; checked before any allocation or kernel. deterministic=True has no D 256
-  // kernel: the mma.sync dq kernel's tiles are sized for 64 and 128.
-  if (auto err = CheckTypeAndDim</*kForward=*/false>(q.element_type(), dims->d); err.failure()) return err;
+  // Head dims 96 and 256: the sm90 dK/dV kernel (BwdSm90Tile<256>: the warpgroups split D) with dQ by TMA
+  // reduce-add, whatever MAGI_JAX_FFA_KERNEL says; checked before any allocation or kernel. deterministic=True
+  // has no kernel for them: the mma.sync dq kernel's tiles are sized for 64 and 128 (magi_jax pads 96 to 128).
+  if (auto err = CheckTypeAndDim(q.element_type(), dims->d); err.failure()) return err;
   const bool sm90_only = !HasMmaKernels(int(dims->d));
   if (sm90_only) {
     if (auto err = CheckSm90ForHeadDim(dims->d); err.failure()) return err;
     if (deterministic)
       return ffi::Error::InvalidArgument(
-          "q: head_dim 256 (where head dims above 128 run) has no deterministic CUDA backward "
-          "(deterministic=True needs a head_dim of at most 128 on the GPU; deterministic=False runs any)");
+          "q: head_dim " + std::to_string(dims->d) + " has no deterministic CUDA backward (deterministic=True "
+          "runs head dims 64 and 128 on the GPU, and 96 padded to 128; deterministic=False runs any)");
   }
 
   const SliceArgs args = MakeSliceArgs(*dims, q_ranges, k_ranges, types);
@@ -377,7 +372,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     }
   }
 
-  return DispatchTypeAndDim</*kForward=*/false>(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
+  return DispatchTypeAndDim(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);
     constexpr int D = decltype(dim)::value;
     // delta given (a split backward's later calls): copied into the scratch the kernels read (4 bytes a row
@@ -448,8 +443,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
           const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream);
           if (err == cudaErrorNotSupported)
             return ffi::Error::InvalidArgument(
-                "q: head_dim 256 runs on the sm90 (TMA) backward only, which needs q, k, v, dout, dk, dv 16-byte "
-                "aligned, at least one query row and a driver with cuTensorMapEncodeTiled");
+                "q: head_dim " + std::to_string(D) + " runs on the sm90 (TMA) backward only, which needs q, k, v, "
+                "dout, dk, dv 16-byte aligned, at least one query row and a driver with cuTensorMapEncodeTiled");
           if (err != cudaSuccess) return CudaFailure("dk/dv (sm90)", err);
         }
       } else {

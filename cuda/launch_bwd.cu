@@ -1,4 +1,4 @@
-// Backward launchers and their instantiations (bf16, fp16) x (D 64, 128); delta also for D 256.
+// Backward launchers and their instantiations (bf16, fp16) x (D 64, 128); delta also for D 96 and 256.
 #include <algorithm>
 
 #include "flash_bwd_dkdv_kernel.h"
@@ -25,7 +25,7 @@ template <typename T, int D>
 cudaError_t LaunchBwdDelta(const BwdParams& p, cudaStream_t stream) {
   const int64_t rows = int64_t(p.slices.tq) * p.hq;
   if (rows == 0) return cudaSuccess;
-  constexpr int kRowsPerIter = kElementwiseThreads / (D / 8) * kDeltaUnroll;
+  constexpr int kRowsPerIter = kElementwiseThreads / kDeltaLanes<D> * kDeltaUnroll;
   unsigned grid = 0;
   if (cudaError_t err = StridedGrid((rows + kRowsPerIter - 1) / kRowsPerIter, &grid); err != cudaSuccess) return err;
   BwdDeltaKernel<T, D><<<grid, kElementwiseThreads, 0, stream>>>(
@@ -77,7 +77,9 @@ MAGI_INSTANTIATE_BWD(__nv_bfloat16, 64)
 MAGI_INSTANTIATE_BWD(__nv_bfloat16, 128)
 MAGI_INSTANTIATE_BWD(__half, 64)
 MAGI_INSTANTIATE_BWD(__half, 128)
-// Head dim 256: delta only (its dK/dV and dQ come from the sm90 kernel, launch_bwd_sm90.cu).
+// Head dims 96 and 256: delta only (their dK/dV and dQ come from the sm90 kernel, launch_bwd_sm90.cu).
+template cudaError_t LaunchBwdDelta<__nv_bfloat16, 96>(const BwdParams&, cudaStream_t);
+template cudaError_t LaunchBwdDelta<__half, 96>(const BwdParams&, cudaStream_t);
 template cudaError_t LaunchBwdDelta<__nv_bfloat16, 256>(const BwdParams&, cudaStream_t);
 template cudaError_t LaunchBwdDelta<__half, 256>(const BwdParams&, cudaStream_t);
 template cudaError_t LaunchDqConvert<__nv_bfloat16>(const float*, __nv_bfloat16*, int64_t, cudaStream_t);

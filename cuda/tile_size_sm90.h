@@ -133,6 +133,9 @@ struct FwdSm90Barriers {
 // each, Q, dO 2 stages x 32 KB each, P^T and dS^T 8 KB each (single-buffered: a barrier before they are
 // rewritten), dQ staging 8 KB per warpgroup (64 rows x 32 columns fp32, 4 TMA reduce-adds per step and
 // warpgroup), lse/delta 1 KB: 230,656 B + 1024 for the alignment.
+// Head dim 96: D 128's plan, the tiles' second chunk half filled (TMA's zeros past column 96, as the forward):
+// S^T and dP^T take six k16 steps, dV += P^T dO and dK += dS^T Q are wgmma N 96, dQ stays two N 64 halves
+// per warpgroup (its columns 96-127 are zeros, and the reduce-add stores nothing past column 96).
 template <int D>
 struct BwdSm90Tile {
   static constexpr bool kSplitD = D > 128;
@@ -144,13 +147,14 @@ struct BwdSm90Tile {
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
   // Keys whose dK / dV rows a warpgroup holds (kSplitD: all of them, for half of the columns).
   static constexpr int kKeysPerWarpgroup = kSplitD ? kBlockN : kBlockN / kConsumerWarpgroups;
-  static constexpr int kChunks = D / 64;
+  static constexpr int kChunks = (D + 63) / 64;
+  static constexpr int kCols = kChunks * 64;  // a tile row in shared memory (D 96: as the forward's, zero-filled)
   // setmaxnreg: 128 x 40 + 256 x 232 = 64512 registers, the CTA's pool (168 per thread at launch).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 
-  static constexpr uint32_t kKvBytes = kBlockN * D * 2;   // K or V, [kChunks][kBlockN][64]
-  static constexpr uint32_t kRowBytes = kBlockM * D * 2;  // one Q or dO stage, [kChunks][kBlockM][64]
+  static constexpr uint32_t kKvBytes = kBlockN * kCols * 2;   // K or V, [kChunks][kBlockN][64]
+  static constexpr uint32_t kRowBytes = kBlockM * kCols * 2;  // one Q or dO stage, [kChunks][kBlockM][64]
   // dS^T [kBlockN keys][kBlockM rows], swizzled. Three (kSplitD: two, P^T then dS^T): a warpgroup's dQ(i)
   // is issued one step late, beside dK / dV(i + 1), and the other warpgroup may still read dS^T(i) when
   // this one writes dS^T(i + 2) (flash_bwd_sm90_kernel.h, the consumer loop).

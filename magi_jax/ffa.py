@@ -14,10 +14,10 @@ from magi_jax.mask import AttnMask, as_type_codes
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # The kernels' head dims. Any other up to the largest runs zero-padded to the next of them (kernel_head_dim).
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
-# The head dims of a forward that is not differentiated: 96 too (the Hopper forward runs it at 3/4 of 128's
-# work). Under differentiation the forward runs at the backward's head dim (_ffa_fwd), which has no 96.
-FORWARD_HEAD_DIMS = (64, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
+# Where 96 runs padded to 128: deterministic=True (the GPU's deterministic dq kernel has no 96) and the
+# distributed layer (magi_jax.dist_attn: its stage calls at 96 have not run on GPUs yet).
+HEAD_DIMS_WITHOUT_96 = (64, 128, 256)
 # The names that flex_flash_attn and calc_attn give their out and lse as saved for the backward: under
 # jax.checkpoint, the policy jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES) keeps them,
 # so the backward pass does not run the attention forward again (by default it does).
@@ -39,8 +39,8 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     A batch of sequences, q [B, Tq, Hq, D] with k, v [B, Tk, ...] (or [Tk, ...], keys every sequence shares),
     takes the mask (or slices [N, 2], [N]) of every sequence, or slices [B, N, 2], [B, N] each its own, and
     gives out [B, Tq, Hq, Dv], lse [B, Tq, Hq]: as jax.vmap over the sequences would, one packed call.
-    D and Dv (1 to 256) may differ; the kernels run 64, 128 and 256 (a forward not differentiated also 96),
-    other sizes zero-padded to the next of them (kernel_head_dim), at the padded size's cost.
+    D and Dv (1 to 256) may differ; the kernels run 64, 96, 128 and 256 (deterministic=True: 96 padded to
+    128), other sizes zero-padded to the next of them (kernel_head_dim), at the padded size's cost.
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
     bitwise reproducible. Under jax.vmap the batch runs as one call (its elements packed end to end, each
     element's slices on its own tokens; keys shared by the batch are not copied). Under jit on arrays sharded
@@ -73,8 +73,10 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     q_ranges, k_ranges, attn_type_map = check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0])
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
     head_dim_v = v.shape[-1]
-    out, lse = _ffa(*pad_head_dims(q, k, v, FORWARD_HEAD_DIMS), q_ranges, k_ranges, attn_type_map, scale, cap,
-                    check_deterministic(deterministic), check_sm_margin(sm_margin))
+    deterministic = check_deterministic(deterministic)
+    dims = HEAD_DIMS_WITHOUT_96 if deterministic else SUPPORTED_HEAD_DIMS
+    out, lse = _ffa(*pad_head_dims(q, k, v, dims), q_ranges, k_ranges, attn_type_map, scale, cap, deterministic,
+                    check_sm_margin(sm_margin))
     return drop_head_dim_padding(out, head_dim_v), lse
 
 
@@ -134,8 +136,8 @@ def with_sinks(out: jax.Array, lse: jax.Array, sinks) -> tuple[jax.Array, jax.Ar
 
 
 def kernel_head_dim(head_dim: int, head_dim_v: int, dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS) -> int:
-    """The kernels' head dim for q, k of head_dim and v of head_dim_v: the least of dims (SUPPORTED_HEAD_DIMS,
-    or FORWARD_HEAD_DIMS for a forward alone) that holds both."""
+    """The kernels' head dim for q, k of head_dim and v of head_dim_v: the least of dims (SUPPORTED_HEAD_DIMS
+    or HEAD_DIMS_WITHOUT_96) that holds both."""
     return next(d for d in dims if d >= max(head_dim, head_dim_v))
 
 
@@ -145,11 +147,8 @@ def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array,
     zeros add nothing to q k^T, and v's zero columns give output columns that the caller drops. The softmax
     scale stays the caller's (its default from q's own head dim)."""
     d = kernel_head_dim(q.shape[-1], v.shape[-1], dims)
-    return _pad_head_dim(q, d), _pad_head_dim(k, d), _pad_head_dim(v, d)
-
-
-def _pad_head_dim(x: jax.Array, d: int) -> jax.Array:
-    return x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+    pad = lambda x: x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
+    return pad(q), pad(k), pad(v)
 
 
 def drop_head_dim_padding(out: jax.Array, head_dim_v: int) -> jax.Array:
@@ -408,22 +407,17 @@ def named_for_checkpoint(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax
 
 
 def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
-    # Differentiated: the forward at the backward's head dim (q, k, v at 96 padded to 128), so that the saved
-    # q, k, v and out serve the backward as they are; out's padding columns leave only the primal result.
-    head_dim = q.shape[-1]
-    q, k, v = pad_head_dims(q, k, v)
     out, lse = named_for_checkpoint(*_forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap,
                                               sm_margin))
-    return (drop_head_dim_padding(out, head_dim), lse), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
+    return (out, lse), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
 
 
 def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
-    head_dim = dout.shape[-1]  # the primal's, q.shape[-1] where _ffa_fwd did not pad
     dq, dk, dv = _one(_batched_bwd(scale, softcap, deterministic), *((x, True) for x in (
-        q, k, v, out, _pad_head_dim(dout, q.shape[-1]), lse, dlse, q_ranges, k_ranges, attn_type_map)))
-    return tuple(drop_head_dim_padding(g, head_dim) for g in (dq, dk, dv)) + (None, None, None)
+        q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map)))
+    return dq, dk, dv, None, None, None
 
 
 def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic,

@@ -62,25 +62,19 @@ def test_head_dims_other_than_the_kernels(d, dv):
     check_against_reference(fn, mask, q, k, v, rng)
 
 
-def test_head_dim_96_forward_alone_runs_unpadded_and_differentiated_padded_to_128():
-    # The custom calls' operand shapes: a forward alone at 96 (80 padded to it); under jax.grad the forward
-    # and the backward at 128 (the backward has no 96, and the forward's saved q, k, v and out serve it as
-    # they are), the gradients back at 80.
+@pytest.mark.parametrize("deterministic, kernel_dim", [(False, 96), (True, 128)])
+def test_head_dim_80_runs_at_96_and_deterministic_at_128(deterministic, kernel_dim):
+    # The custom calls' operand shapes in the jitted forward+backward: head dim 80 padded to the kernels' 96,
+    # or to 128 with deterministic=True (the GPU's deterministic dq kernel has no 96); the gradients at 80.
     mask = masks.varlen_causal([40, 90, 30])
     q, k, v = random_qkv(np.random.default_rng(5), 160, 160, 4, 2, 80)
-    attn = lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0]
-    loss = lambda q, k, v: jnp.sum(attn(q, k, v))
-
-    def calls(fn):
-        hlo = jax.jit(fn).lower(q, k, v).as_text()
-        return [line for line in hlo.splitlines() if "custom_call" in line and "magi_jax_ffa" in line]
-    forward_alone, differentiated = calls(attn), calls(jax.grad(loss, argnums=(0, 1, 2)))
-    assert len(forward_alone) == 1 and "tensor<160x4x96xf32>" in forward_alone[0], forward_alone
-    assert len(differentiated) == 2, differentiated
-    assert all("tensor<160x4x128xf32>" in c and "x96x" not in c for c in differentiated), differentiated
-    assert attn(q, k, v).shape == (160, 4, 80)
-    assert [g.shape for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v)] == [(160, 4, 80), (160, 2, 80), (160, 2, 80)]
-    assert ffa.kernel_head_dim(80, 48, ffa.FORWARD_HEAD_DIMS) == 96 and ffa.kernel_head_dim(80, 48) == 128
+    loss = lambda q, k, v: jnp.sum(mj.flex_flash_attn(q, k, v, mask=mask, deterministic=deterministic)[0])
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    hlo = jax.jit(grad).lower(q, k, v).as_text()
+    calls = [line for line in hlo.splitlines() if "custom_call" in line and "magi_jax_ffa" in line]
+    assert len(calls) == 2 and all(f"tensor<160x4x{kernel_dim}xf32>" in c for c in calls), calls
+    assert [g.shape for g in grad(q, k, v)] == [(160, 4, 80), (160, 2, 80), (160, 2, 80)]
+    assert ffa.kernel_head_dim(80, 48) == 96 and ffa.kernel_head_dim(80, 48, ffa.HEAD_DIMS_WITHOUT_96) == 128
 
 
 def test_softcap_and_scale():

@@ -283,7 +283,7 @@ BWD_ORDERS = {"default": {}, "sections_of_one": {"MAGI_JAX_SM90_L2_BYTES": "1"},
 
 
 @pytest.mark.parametrize("order", sorted(BWD_ORDERS))
-@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (6, 3, 64), (4, 4, 256)])
+@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 128), (6, 3, 64), (4, 2, 96), (4, 4, 256)])
 def test_backward_tile_orders_against_reference(order, hq, hkv, d, monkeypatch):
     # Documents of very different lengths: very uneven k blocks, many more CTAs than SMs at D 64 / 128.
     for name, value in BWD_ORDERS[order].items():
