@@ -487,6 +487,9 @@ def test_head_dim_256_deterministic_backward_is_refused_by_name(d):
     (128, 200, False, True),    # packed through the concat fallback (strided copies in and out)
     (128, 256, True, True),
     (256, 192, False, True),
+    (96, 256, False, False),    # head dim 96 (D 128's CTAs on half-filled chunks), for the distributed layer
+    (96, 256, False, True),
+    (96, 200, False, True),
 ])
 def test_backward_with_two_key_sources_matches_one(d, split, deterministic, packed):
     # The distributed backward's path (ffa._bwd_call with k2, v2) against the same keys in one array.
@@ -500,7 +503,7 @@ def test_backward_with_two_key_sources_matches_one(d, split, deterministic, pack
 
 
 @pytest.mark.parametrize("shared_delta", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_backward_chained_dq_matches_one_call(d, shared_delta):
     # The staged distributed backward: calls over disjoint slice sets (remote keys, then local ones), dQ
     # accumulated in place in one float32 buffer (aliased from call to call) and rounded once at the end;
