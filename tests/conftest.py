@@ -128,22 +128,30 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
                                      as_np(jnp.concatenate([dv, dv2]))]
 
 
-def ffi_calls(fn, *args) -> dict[str, int]:
-    """How often fn calls each FFI target, counted in its jaxpr at every use of a sub-jaxpr (the printed jaxpr
-    and the lowered text name a shared sub-jaxpr, custom_vmap's for one, once however often it is called)."""
-    counts: dict[str, int] = {}
+def ffi_eqns(fn, *args) -> list:
+    """fn's FFI calls, the equations of its jaxpr, once at every use of a sub-jaxpr (the printed jaxpr and the
+    lowered text name a shared sub-jaxpr, custom_vmap's for one, once however often it is called)."""
+    eqns = []
 
     def walk(jaxpr):
         jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "ffi_call":
-                counts[eqn.params["target_name"]] = counts.get(eqn.params["target_name"], 0) + 1
+                eqns.append(eqn)
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else (value,):
                     if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
                         walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args))
+    return eqns
+
+
+def ffi_calls(fn, *args) -> dict[str, int]:
+    """How often fn calls each FFI target (ffi_eqns)."""
+    counts: dict[str, int] = {}
+    for eqn in ffi_eqns(fn, *args):
+        counts[eqn.params["target_name"]] = counts.get(eqn.params["target_name"], 0) + 1
     return counts
 
 
