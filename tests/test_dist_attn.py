@@ -17,7 +17,7 @@ import magi_jax as mj
 from magi_jax import masks
 from magi_jax.planner import make_plan
 from magi_jax.reference import attention_f64
-from tests.conftest import assert_within_rule, check_against_reference, random_qkv
+from tests.conftest import assert_within_rule, check_against_reference, ffi_eqns, random_qkv
 from tests.test_dist_helpers import (DOCS, check_dist, collective_dependencies, count_ops, families, global_fn,
                                      mesh_of, random_mask, remat_grads)
 
@@ -84,14 +84,28 @@ def test_gqa_and_mqa(hq, hkv, cp, overlap):
 
 @pytest.mark.parametrize("d, dv, cp", [(96, 96, 2), (80, 48, 4)])
 def test_head_dims_other_than_the_kernels(d, dv, cp):
-    # Padded to the kernels' head dim before the collectives, the padding dropped from out; q, k and v
-    # head dims apart.
+    # Padded to the kernels' head dim (80 / 48 to 96) before the collectives, the padding dropped from out;
+    # q, k and v head dims apart.
     mask = masks.varlen_causal(DOCS)
     mp = mj.plan(mask, mesh_of(cp), chunk_size=16, overlap=2, num_heads_q=2, head_dim=d)
     rng = np.random.default_rng(d + dv)
     q, k, _ = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, d)
     v = jnp.asarray(rng.standard_normal((mask.total_seqlen_k, 2, dv)).astype(np.float32))
     check_against_reference(global_fn(mp), mask, q, k, v, rng)
+
+
+@pytest.mark.parametrize("deterministic, kernel_dim", [(False, 96), (True, 128)])
+def test_head_dim_96_stage_calls_run_at_96_and_deterministic_at_128(deterministic, kernel_dim):
+    # Every custom call of the forward+backward (host and stage calls, inside the shard_map) sees q at the
+    # kernels' head dim: 96 itself, or 128 with deterministic=True (the GPU's deterministic dq kernel has no 96).
+    mask = masks.varlen_causal(DOCS)
+    mp = mj.plan(mask, mesh_of(2), chunk_size=16, overlap=2, num_heads_q=2, head_dim=96)
+    q, k, v = random_qkv(np.random.default_rng(9), mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, 96)
+    loss = lambda q, k, v: jnp.sum(global_fn(mp, deterministic=deterministic)(q, k, v)[0])
+    eqns = ffi_eqns(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    attn = [e for e in eqns if e.params["target_name"] in ("magi_jax_ffa_fwd", "magi_jax_ffa_bwd")]
+    assert len(attn) >= 2 * (mp.num_stages + 1), [e.params["target_name"] for e in eqns]
+    assert {e.invars[0].aval.shape[-1] for e in attn} == {kernel_dim}
 
 
 def test_bf16_softcap_scale_and_wire_dtype():

@@ -68,6 +68,12 @@ def test_gqa_2gpu(hq, hkv, overlap):
     check_dist(masks.block_causal(GDOCS, 256), gpu_mesh(), overlap=overlap, hq=hq, hkv=hkv, **BF16)
 
 
+def test_bf16_head_dim_96_2gpu():
+    # Head dim 96 unpadded through the stage calls (two key sources, chained dQ, merged forwards).
+    check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=2, hq=4, hkv=2, dtype=jnp.bfloat16, d=96,
+               chunk_size=128)
+
+
 def test_fp16_head_dim_64_2gpu():
     check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=2, hq=4, hkv=2, dtype=jnp.float16, d=64,
                chunk_size=128)
