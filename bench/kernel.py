@@ -10,8 +10,9 @@ kernels (TMA + wgmma), `ffa_mma` the mma.sync ones (MAGI_JAX_FFA_KERNEL=mma, set
 slices built on the host), `ffa_nn_traced` with the ids traced (slices built on the device, empty ones included),
 `ffa_vmap` flex_flash_attn under jax.vmap over causal_4k_x8's batch (one causal mask per element, packed into one
 call by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch, `ffa_kv_repeat` the
-grouped-query case with k and v repeated to the q heads (run as multi-head), `ffa_pad128` causal_16k_d96 with q, k, v
-padded to head dim 128 (as it ran before the kernels had head dim 96). Every implementation's output (and dq)
+grouped-query case with k and v repeated to the q heads (run as multi-head), `ffa_padded` causal_16k_d96 with q, k, v
+padded to head dim 128 and causal_16k_mla192_128 with them padded to 256 (as they ran before the kernels had
+head dims 96 and 192). Every implementation's output (and dq)
 is compared with FFA's before it is timed. The last lines check the targets of the speed issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the table to
 $OUT when set.
@@ -161,16 +162,16 @@ def ffa_kv_repeat(mask: AttnMask) -> Callable:
     return fn
 
 
-def ffa_pad128(mask: AttnMask) -> Callable:
-    """FFA on q, k, v zero-padded to head dim 128 (the scale kept at their own head dim's): how head dim 96
-    ran before the kernels had it, side by side with them."""
+def ffa_padded(mask: AttnMask, kernel_dim: int) -> Callable:
+    """FFA on q, k, v zero-padded to head dim kernel_dim (the scale kept at q's own head dim's): how head dims
+    96 (at 128) and 192 (at 256) ran before the kernels had them, side by side with them."""
     qr, kr, types_ = mask.kernel_args()
 
     def fn(q, k, v):
-        d = q.shape[-1]
-        pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, 128 - d)])
-        out = mj.flex_flash_attn(pad(q[0]), pad(k[0]), pad(v[0]), qr, kr, types_, softmax_scale=d ** -0.5)[0]
-        return out[None, ..., :d]
+        pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, kernel_dim - x.shape[-1])])
+        out = mj.flex_flash_attn(pad(q[0]), pad(k[0]), pad(v[0]), qr, kr, types_,
+                                 softmax_scale=q.shape[-1] ** -0.5)[0]
+        return out[None, ..., :v.shape[-1]]
     return fn
 
 
@@ -293,15 +294,16 @@ def make_cases() -> list[Case]:
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
-    # Head dim 96, which the kernels run at its own size (ffa_pad128: padded to 128, as before they did), and
-    # MLA's 192 for q / k with 128 for v, run zero-padded to 256 (magi_jax.ffa pad_head_dims). TFLOP/s count
+    # Head dim 96 and MLA's 192 for q / k with 128 for v (v zero-padded to 192: magi_jax.ffa pad_head_dims),
+    # which the kernels run at their own sizes (ffa_padded: at 128 and 256, as before they did). TFLOP/s count
     # the unpadded dims.
     cases.append(Case("causal_16k_d96", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True),
-        "ffa_pad128": lambda: ffa_pad128(masks.causal(16384))}, head_dim=96))
+        "ffa_padded": lambda: ffa_padded(masks.causal(16384), 128)}, head_dim=96))
     cases.append(Case("causal_16k_mla192_128", masks.causal(16384), {
-        "cudnn": lambda: cudnn_dense_causal}, head_dim=192, head_dim_v=128))
+        "cudnn": lambda: cudnn_dense_causal,
+        "ffa_padded": lambda: ffa_padded(masks.causal(16384), 256)}, head_dim=192, head_dim_v=128))
     return cases
 
 
@@ -411,7 +413,7 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_pad128", "jax_nn", "cudnn", "tokamax",
+           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_padded", "jax_nn", "cudnn", "tokamax",
            "xla_dense")
 
 

@@ -15,10 +15,10 @@ constexpr int kElementwiseThreads = 256;
 // all the group's loads issued first (a CTA per 16 rows with one load each ran at half the bandwidth).
 constexpr int kDeltaUnroll = 4;
 
-// Lanes per (row, head): D / 8 where that is a power of two (a shuffle group inside a warp), else 4 (D 96:
-// three 16-byte loads each).
+// Lanes per (row, head): the largest power of two dividing D / 8 (a shuffle group inside a warp), each lane
+// D / 8 / lanes 16-byte loads: D / 8 lanes with one at 64, 128, 256; 4 lanes with three at 96, 8 at 192.
 template <int D>
-constexpr int kDeltaLanes = (D / 8) & (D / 8 - 1) ? 4 : D / 8;
+constexpr int kDeltaLanes = (D / 8) & -(D / 8);
 
 // One group of kDeltaLanes<D> lanes per (row, head), 16-byte loads, a shuffle reduction inside the group; a
 // grid of a few CTAs per SM strides over the rows.

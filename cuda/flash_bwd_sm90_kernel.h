@@ -246,18 +246,19 @@ MAGI_DEV void SoftcapProbsAndDs(float (&s)[1][NT][4], float (&dp)[1][NT][4], con
   }
 }
 
-// ------------------------------------------------------------------------------------ head dim 256 (kSplitD)
-// The consumers of BwdSm90Tile<256> (tile_size_sm90.h): the CTA owns 64 keys; consumer warpgroup cw computes
-// S^T, dP^T for rows [32 cw, 32 cw + 32) of the step's 64 (wgmma N 32, all 64 keys, the full D contraction),
-// the mask, P^T and dS^T, and writes both (bf16, [64 keys][64 rows], 128-byte swizzle) into shared memory;
-// after a barrier of both warpgroups it accumulates dV, dK for all 64 keys x its columns [128 cw, 128 cw + 128)
-// (SS, A = P^T / dS^T K-major, B = dO / Q MN-major, N 128) and computes dQ = dS K for the 64 rows x its 128
-// columns (A = dS^T MN-major, B = K MN-major, N 128), drained as four 64 x 32 fp32 boxes through its 8 KB
-// staging buffer and TMA reduce-adds. Per step and warpgroup (nothing in flight across steps):
+// ------------------------------------------------------------------------------ head dims 192, 256 (kSplitD)
+// The consumers of BwdSm90Tile<256> and <192> (tile_size_sm90.h): the CTA owns 64 keys; consumer warpgroup cw
+// computes S^T, dP^T for rows [32 cw, 32 cw + 32) of the step's 64 (wgmma N 32, all 64 keys, the full D
+// contraction), the mask, P^T and dS^T, and writes both (bf16, [64 keys][64 rows], 128-byte swizzle) into
+// shared memory; after a barrier of both warpgroups it accumulates dV, dK for all 64 keys x its kWgCols columns
+// from 128 cw (SS, A = P^T / dS^T K-major, B = dO / Q MN-major, N kWgCols: 128, or 64 for warpgroup 1 at D 192)
+// and computes dQ = dS K for the 64 rows x those columns (A = dS^T MN-major, B = K MN-major), drained as
+// kWgCols / 32 boxes of 64 x 32 fp32 through its 8 KB staging buffer and TMA reduce-adds. Per step and
+// warpgroup (nothing in flight across steps):
 //   row_full wait | S^T, dP^T (two commit groups) | wait<1>: mask, P^T | wait<0>: dS^T | barrier 5 (the last
 //   step's readers of P^T / dS^T are done) | P^T, dS^T -> smem, fence | barrier 1 | dV, dK | dQ | wait<1>:
 //   release the Q / dO stage | wait<0> | drain dQ
-// Registers per thread: dK, dV 64 + 64; S^T, dP^T 16 + 16; dQ 64 (S^T / dP^T dead by then): peak 192.
+// Registers per thread (kWgCols 128): dK, dV 64 + 64; S^T, dP^T 16 + 16; dQ 64 (S^T / dP^T dead by then): peak 192.
 // Named barriers: 1 and 5 (both consumer warpgroups), 3 + cw (the warpgroup's dQ staging), 2 (epilogue).
 // Thread (g, t) of warp w stores row r = 16 w + 8 half + g, columns 8 i + 2 t (+1) of a 64 x 32 fp32 box in
 // the 128-byte swizzle (128-byte lines, one per row, 16-byte units XOR-ed by r & 7 = g): two wavefronts a
@@ -278,13 +279,15 @@ MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const fl
     }
 }
 
-template <typename T, int D, bool kDq, bool kSoftcap>
+template <typename T, int D, int kWgCols, bool kDq, bool kSoftcap>
 MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
   using Tile = BwdSm90Tile<D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
-  constexpr int kHalfM = BM / 2, kHalfD = D / 2, DT = kHalfD / 8, NT = kHalfM / 8;
+  constexpr int kHalfM = BM / 2, DT = kWgCols / 8, NT = kHalfM / 8;
   static_assert(NT % 2 == 0, "P^T and dS^T leave by 16 columns (StMatrixX4)");
-  static_assert(BN == 64 && BM == 64 && D == 256, "the split-D consumer is written for 64 keys, 64 rows, D 256");
+  static_assert(BN == 64 && BM == 64 && (D == 192 || D == 256),
+                "the split-D consumer is written for 64 keys, 64 rows, D 192 or 256");
+  static_assert(kWgCols % 64 == 0 && kWgCols <= 128, "a warpgroup's columns are whole chunks, N <= 128");
   static_assert(Tile::kDqBoxCols == 32, "dQ leaves in boxes of 32 columns");
   using Region = BwdSm90Region<kStages>;
   unsigned char* sk = smem + Tile::kKOffset;
@@ -308,12 +311,12 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   const uint64_t desc_k = SmemDesc128B(sk, 16), desc_v = SmemDesc128B(sv, 16);
   const uint64_t desc_q_k = SmemDesc128B(sq + cw * (kHalfM * 128), 16);
   const uint64_t desc_do_k = SmemDesc128B(sdo + cw * (kHalfM * 128), 16);
-  // dV += P^T dO, dK += dS^T Q: A K-major ([keys][rows]), B = the warpgroup's two 64-column chunks of the
-  // stage, MN-major (LBO = the chunk stride).
+  // dV += P^T dO, dK += dS^T Q: A K-major ([keys][rows]), B = the warpgroup's 64-column chunks of the stage
+  // (from chunk 2 cw), MN-major (LBO = the chunk stride).
   const uint64_t desc_p = SmemDesc128B(sp, 16), desc_ds = SmemDesc128B(sds, 16);
   const uint64_t desc_do_mn = SmemDesc128B(sdo + 2 * cw * (BM * 128), BM * 128);
   const uint64_t desc_q_mn = SmemDesc128B(sq + 2 * cw * (BM * 128), BM * 128);
-  // dQ = dS K: A = dS^T MN-major, B = K's two 64-column chunks of the warpgroup, MN-major.
+  // dQ = dS K: A = dS^T MN-major, B = K's 64-column chunks of the warpgroup, MN-major.
   const uint64_t desc_ds_mn = SmemDesc128B(sds, 64 * 128);
   const uint64_t desc_k_mn = SmemDesc128B(sk + 2 * cw * (BN * 128), BN * 128);
 
@@ -390,16 +393,16 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       WgmmaFence();
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<T, kHalfD>::template SS<0, 1>(dv, DescAdd(desc_p, kk * 32), DescAdd(ddo_mn, kk * 2048), 1);
+        Wgmma<T, kWgCols>::template SS<0, 1>(dv, DescAdd(desc_p, kk * 32), DescAdd(ddo_mn, kk * 2048), 1);
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<T, kHalfD>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
+        Wgmma<T, kWgCols>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
       WgmmaCommit();
       if constexpr (kDq) {
-        Wgmma<T, kHalfD>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
+        Wgmma<T, kWgCols>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
 #pragma unroll
         for (int kk = 1; kk < BN / 16; ++kk)
-          Wgmma<T, kHalfD>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+          Wgmma<T, kWgCols>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
         WgmmaCommit();
         WgmmaWait<1>();  // dV, dK have landed: the Q / dO stage is free (dQ reads K and dS^T only)
       } else {
@@ -413,14 +416,14 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       WgmmaWait<0>();
       FenceRegs(dq);
 #pragma unroll
-      for (int j = 0; j < kHalfD / 32; ++j) {
+      for (int j = 0; j < kWgCols / 32; ++j) {
         BulkWaitRead();  // the last reduce-add has read the buffer (only wtid 0 has bulk groups)
         NamedBarrierSync(3 + cw, 128);
         StoreDqBox32(dq_buf, wwarp, g, t, dq, j, bp.scale);
         FenceProxyAsyncShared();
         NamedBarrierSync(3 + cw, 128);  // the box is in dq_buf
         if (wtid == 0) {
-          TmaReduceAdd4d(&p.dq_map, dq_buf, 0, cw * (kHalfD / 32) + j, head, rb);
+          TmaReduceAdd4d(&p.dq_map, dq_buf, 0, cw * (128 / 32) + j, head, rb);
           BulkCommit();
         }
         __syncwarp();
@@ -430,8 +433,8 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   }
 
   // Epilogue: every wgmma of both warpgroups is done and the producer has nothing in flight: the Q / dO rings
-  // are free. dK (x scale) into the Q ring, dV into the dO ring, [4 chunks][64 keys][64], 128-byte swizzle;
-  // the warpgroup stores its two chunks.
+  // are free. dK (x scale) into the Q ring, dV into the dO ring, [chunks][64 keys][64], 128-byte swizzle;
+  // the warpgroup stores its own chunks.
   NamedBarrierSync(2, Tile::kConsumerThreads);
   unsigned char* stage_k = sq;
   unsigned char* stage_v = sdo;
@@ -450,7 +453,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 1);
     const KeySource src = CtaKeySource(p, int64_t(kb) * BN);
 #pragma unroll
-    for (int c = 2 * cw; c < 2 * cw + 2; ++c) {
+    for (int c = 2 * cw; c < 2 * cw + kWgCols / 64; ++c) {
       TmaStore3d(src.dk, stage_k + c * (BN * 128), 64 * c, hk, src.row);
       TmaStore3d(src.dv, stage_v + c * (BN * 128), 64 * c, hk, src.row);
     }
@@ -584,10 +587,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
   // ------------------------------------------------------------------------------------------- consumers
   SetMaxRegsInc<Tile::kConsumerRegs>();
   if constexpr (Tile::kSplitD) {
-    // Head dim 256: the split-D consumers. An early return rather than an else around the code below: that
-    // code is instantiated for D 256 too but never reached (and dropped), and the D 64 / 128 kernels compile
-    // from exactly the source they had (an else block changed their register allocation).
-    BwdSm90SplitDConsumer<T, D, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
+    // Head dims 192 and 256: the split-D consumers. An early return rather than an else around the code
+    // below: that code is instantiated for them too but never reached (and dropped), and the D 64 / 128
+    // kernels compile from exactly the source they had (an else block changed their register allocation).
+    // The warpgroup's column count is a template argument (its wgmma N and accumulator sizes): at D 192 the
+    // two warpgroups run different instantiations, a warp-uniform branch.
+    constexpr int kCols0 = Tile::kSplitCols0, kCols1 = Tile::kSplitCols1;
+    if (kCols0 == kCols1 || wg == 1) BwdSm90SplitDConsumer<T, D, kCols0, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
+    else BwdSm90SplitDConsumer<T, D, kCols1, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
     return;
   }
   constexpr int DT = D / 8;

@@ -36,10 +36,11 @@ ffi::Error DispatchTypeAndDim(ffi::DataType dtype, int64_t d, Fn&& fn) {
       case 64: return fn(tag, std::integral_constant<int, 64>{});
       case 96: return fn(tag, std::integral_constant<int, 96>{});
       case 128: return fn(tag, std::integral_constant<int, 128>{});
+      case 192: return fn(tag, std::integral_constant<int, 192>{});
       case 256: return fn(tag, std::integral_constant<int, 256>{});
       default:
         return ffi::Error::InvalidArgument("q: head_dim " + std::to_string(d) +
-                                           " is not supported by the CUDA kernels (64, 96, 128 or 256)");
+                                           " is not supported by the CUDA kernels (64, 96, 128, 192 or 256)");
     }
   };
   switch (dtype) {
@@ -87,7 +88,7 @@ struct ListSizes {
 };
 
 // Whether the sm90 kernels (TMA + wgmma forward and dK/dV, launch_{fwd,bwd}_sm90.cu) run: by default, and
-// always where they are the only ones (sm90_only: head dim 256); MAGI_JAX_FFA_KERNEL=mma selects the mma.sync
+// always where they are the only ones (sm90_only: head dims 96, 192, 256); MAGI_JAX_FFA_KERNEL=mma selects the mma.sync
 // ones (also the fallback where the sm90 launch declines an input). Read at every call (a getenv), like the
 // capacity below, so that one process can compare both (bench/kernel.py) and tests can switch it; an
 // unknown value is an error, not a silent default.
@@ -99,7 +100,7 @@ ffi::ErrorOr<bool> UseSm90(bool sm90_only) {
   return ffi::Error::InvalidArgument("MAGI_JAX_FFA_KERNEL: '" + name + "' is not a kernel (sm90 or mma)");
 }
 
-// Head dims 96 and 256 have one CUDA forward and one backward each, the sm90 ones (TMA + wgmma; the mma.sync
+// Head dims 96, 192 and 256 have one CUDA forward and one backward each, the sm90 ones (TMA + wgmma; the mma.sync
 // kernels have no tiles for them: HasMmaKernels), so they take them whatever MAGI_JAX_FFA_KERNEL says, on an
 // sm_90 GPU (the only target this library is built for); anything else gets a clear error before any kernel
 // runs. Their backward is the dK/dV kernel with dQ by TMA reduce-add: deterministic=False only.
@@ -267,7 +268,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const int64_t tk1 = dims->tk;
   dims->tk += *tk2;  // the kernels' key space: concat(k, k2)
   if (auto err = CheckSizes(*dims); err.failure()) return err;
-  // Head dims 96 and 256: the sm90 dK/dV kernel (BwdSm90Tile<256>: the warpgroups split D) with dQ by TMA
+  // Head dims 96, 192 and 256: the sm90 dK/dV kernel (at 192 and 256 the warpgroups split D) with dQ by TMA
   // reduce-add, whatever MAGI_JAX_FFA_KERNEL says; checked before any allocation or kernel. deterministic=True
   // has no kernel for them: the mma.sync dq kernel's tiles are sized for 64 and 128 (magi_jax pads 96 to 128).
   if (auto err = CheckTypeAndDim(q.element_type(), dims->d); err.failure()) return err;

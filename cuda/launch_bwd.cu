@@ -1,4 +1,4 @@
-// Backward launchers and their instantiations (bf16, fp16) x (D 64, 128); delta also for D 96 and 256.
+// Backward launchers and their instantiations (bf16, fp16) x (D 64, 128); delta also for D 96, 192 and 256.
 #include <algorithm>
 
 #include "flash_bwd_dkdv_kernel.h"
@@ -77,9 +77,11 @@ MAGI_INSTANTIATE_BWD(__nv_bfloat16, 64)
 MAGI_INSTANTIATE_BWD(__nv_bfloat16, 128)
 MAGI_INSTANTIATE_BWD(__half, 64)
 MAGI_INSTANTIATE_BWD(__half, 128)
-// Head dims 96 and 256: delta only (their dK/dV and dQ come from the sm90 kernel, launch_bwd_sm90.cu).
+// Head dims 96, 192 and 256: delta only (their dK/dV and dQ come from the sm90 kernel, launch_bwd_sm90.cu).
 template cudaError_t LaunchBwdDelta<__nv_bfloat16, 96>(const BwdParams&, cudaStream_t);
 template cudaError_t LaunchBwdDelta<__half, 96>(const BwdParams&, cudaStream_t);
+template cudaError_t LaunchBwdDelta<__nv_bfloat16, 192>(const BwdParams&, cudaStream_t);
+template cudaError_t LaunchBwdDelta<__half, 192>(const BwdParams&, cudaStream_t);
 template cudaError_t LaunchBwdDelta<__nv_bfloat16, 256>(const BwdParams&, cudaStream_t);
 template cudaError_t LaunchBwdDelta<__half, 256>(const BwdParams&, cudaStream_t);
 template cudaError_t LaunchDqConvert<__nv_bfloat16>(const float*, __nv_bfloat16*, int64_t, cudaStream_t);

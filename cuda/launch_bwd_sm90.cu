@@ -1,7 +1,7 @@
 // The sm90 backward's dK/dV launcher (flash_bwd_sm90_kernel.h): tensor maps built on the host from device
 // pointers and static shapes (no synchronisation), the tile order, a grid of (k blocks, kv heads), the
-// instantiations (bf16, fp16) x (D 64, 96, 128, 256) x (dQ by TMA reduce-add or not), and at D 128 the GQA split's
-// (k blocks, q heads). D 256: 64-key CTAs (BwdSm90Tile::kSplitD).
+// instantiations (bf16, fp16) x (D 64, 96, 128, 192, 256) x (dQ by TMA reduce-add or not), and at D 128 the GQA
+// split's (k blocks, q heads). D 192, 256: 64-key CTAs (BwdSm90Tile::kSplitD).
 //
 // Tile order: one CTA per (k block, kv head), taken by the hardware in grid order. In k-block order, head
 // after head, the last head's heaviest k blocks started when most of the grid was done and trailed it: a
@@ -238,10 +238,14 @@ template cudaError_t LaunchBwdDkDvSm90<__half, 64>(const BwdParams&, bool, int32
                                                        const KeySplit&);
 template cudaError_t LaunchBwdDkDvSm90<__half, 128>(const BwdParams&, bool, int32_t*, cudaStream_t,
                                                        const KeySplit&);
-// Head dims 96 and 256: the only CUDA dK/dV kernels for them (the mma.sync ones have none; handlers.cu).
+// Head dims 96, 192 and 256: the only CUDA dK/dV kernels for them (the mma.sync ones have none; handlers.cu).
 template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 96>(const BwdParams&, bool, int32_t*, cudaStream_t,
                                                        const KeySplit&);
 template cudaError_t LaunchBwdDkDvSm90<__half, 96>(const BwdParams&, bool, int32_t*, cudaStream_t,
+                                                       const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 192>(const BwdParams&, bool, int32_t*, cudaStream_t,
+                                                       const KeySplit&);
+template cudaError_t LaunchBwdDkDvSm90<__half, 192>(const BwdParams&, bool, int32_t*, cudaStream_t,
                                                        const KeySplit&);
 template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 256>(const BwdParams&, bool, int32_t*, cudaStream_t,
                                                        const KeySplit&);

@@ -1,7 +1,7 @@
 // The sm90 forward's launcher: tensor maps (built here on the host from device pointers and static shapes:
 // no synchronisation), the q blocks' lists (block_lists.h: the count, then the fill here with each block's
 // work), the longest-first tile order (the sort, tile_order.cu), the persistent grid, and the instantiations
-// (bf16, fp16) x (D 64, 96, 128, 256).
+// (bf16, fp16) x (D 64, 96, 128, 192, 256).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -82,7 +82,7 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
   if (num_blocks == 0 || p.hq == 0) return cudaSuccess;
   // What TMA needs; anything else is left to the mma.sync kernel (nothing has been enqueued yet).
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
-  // No keys: D 64 / 128 leave it to the mma.sync kernel; D 96 and 256 have no other kernel, so their K and V
+  // No keys: D 64 / 128 leave it to the mma.sync kernel; D 96, 192 and 256 have no other kernel, so their K and V
   // maps are made over q instead (never read: with no keys every slice's key span is empty, the walks have no
   // step, and the epilogue writes O = 0, lse = -inf).
   const bool no_keys = p.slices.tk == 0;
@@ -153,9 +153,11 @@ template cudaError_t LaunchFwdSm90<__nv_bfloat16, 64>(const FwdParams&, const Li
 template cudaError_t LaunchFwdSm90<__nv_bfloat16, 128>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
 template cudaError_t LaunchFwdSm90<__half, 64>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
 template cudaError_t LaunchFwdSm90<__half, 128>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-// Head dims 96 and 256: the only CUDA forwards for them (the mma.sync kernel has none; handlers.cu).
+// Head dims 96, 192 and 256: the only CUDA forwards for them (the mma.sync kernel has none; handlers.cu).
 template cudaError_t LaunchFwdSm90<__nv_bfloat16, 96>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
 template cudaError_t LaunchFwdSm90<__half, 96>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__nv_bfloat16, 192>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
+template cudaError_t LaunchFwdSm90<__half, 192>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
 template cudaError_t LaunchFwdSm90<__nv_bfloat16, 256>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
 template cudaError_t LaunchFwdSm90<__half, 256>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
 

@@ -45,7 +45,7 @@ struct BwdQTile {
 };
 
 // The head dims of the mma.sync kernels (their shared-memory rows are whole 128-byte lines); the sm90
-// kernels alone run 96 and 256.
+// kernels alone run 96, 192 and 256.
 constexpr bool HasMmaKernels(int d) { return d == 64 || d == 128; }
 
 // The forward and the dq kernel share one block size, so one set of q-block slice lists serves both.

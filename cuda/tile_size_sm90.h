@@ -6,7 +6,8 @@
 // Every tile is stored in 64-column chunks ([rows][64], 128 bytes a row) in the 128-byte swizzle layout, as
 // TMA writes it and wgmma reads it (sm90_ptx.h, SmemDesc128B). Head dim 96 fills its second chunk half: TMA
 // loads zeros past column 96 and stores nothing there, and the GEMMs read only the 96 columns (S in six k16
-// steps, O += P V at wgmma N 96), so the forward does 3/4 of D 128's work in D 128's buffers.
+// steps, O += P V at wgmma N 96), so the forward does 3/4 of D 128's work in D 128's buffers. Head dim 192
+// (MLA's q / k) is D 256's plan on three whole chunks.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,8 @@ constexpr int kSetMaxNRegPool(int threads) { return 65536 / threads / 8 * 8 * th
 // after the TMA store has read it, so the next tile's Q load waits for both epilogues. Registers per
 // consumer thread: O 64 x 256 fp32 = 128, S 40, P (packed) 20 while PV(j-1) runs under the softmax of
 // S(j): 188 + the walk, masks and descriptors, within the 232 of setmaxnreg.
+// Head dim 192: the same plan on three chunks (Q 48 KB, K and V 2 stages x 30 KB each: 172,032 B of tiles;
+// O 96 registers; S in twelve k16 steps, O += P V at N 192).
 template <int D>
 struct FwdSm90Tile {
   static constexpr int kBlockM = 128;  // = kQBlock: the q-block slice lists serve both forward kernels
@@ -136,9 +139,14 @@ struct FwdSm90Barriers {
 // Head dim 96: D 128's plan, the tiles' second chunk half filled (TMA's zeros past column 96, as the forward):
 // S^T and dP^T take six k16 steps, dV += P^T dO and dK += dS^T Q are wgmma N 96, dQ stays two N 64 halves
 // per warpgroup (its columns 96-127 are zeros, and the reduce-add stores nothing past column 96).
+// Head dim 192 (MLA's q / k): D 256's split on three chunks: warpgroup 0 holds columns [0, 128) of dK, dV
+// and dQ, warpgroup 1 [128, 192) (N 64; an N 96 half would start mid-chunk, which an MN-major operand's
+// 128-byte swizzle pattern cannot: cuda/NOTES.md). S^T and dP^T take twelve k16 steps in both.
 template <int D>
 struct BwdSm90Tile {
   static constexpr bool kSplitD = D > 128;
+  // kSplitD: the columns of dK, dV and dQ that consumer warpgroups 0 and 1 hold, from columns 0 and 128.
+  static constexpr int kSplitCols0 = 128, kSplitCols1 = D - 128;
   static constexpr int kBlockN = kSplitD ? 64 : 128;  // keys per CTA (kKBlock / kBlockN CTAs per slice list)
   static constexpr int kBlockM = 64;   // q rows per step
   static constexpr int kStages = 2;

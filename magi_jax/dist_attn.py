@@ -543,8 +543,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
         raise ValueError(f"q: batched plan tables of {jax.tree.leaves(tabs)[0].shape[0]} here need q [B, L, H, D] "
                          f"with that B, got shape {q.shape}")
     head_dim_v = v.shape[-1]
-    # Before the collectives (K and V travel packed, one head dim); deterministic 96 as 128 (ffa.HEAD_DIMS_WITHOUT_96).
-    q, k, v = ffa.pad_head_dims(q, k, v, ffa.HEAD_DIMS_WITHOUT_96 if cfg.deterministic else ffa.SUPPORTED_HEAD_DIMS)
+    # Before the collectives (K and V travel packed, one head dim).
+    q, k, v = ffa.pad_head_dims(q, k, v, ffa.kernel_head_dims(cfg.deterministic))
     if q.ndim == 3:
         out, lse = _attn(q, k, v, tabs, cfg)
     else:

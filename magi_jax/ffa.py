@@ -14,10 +14,10 @@ from magi_jax.mask import AttnMask, as_type_codes
 
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # The kernels' head dims. Any other up to the largest runs zero-padded to the next of them (kernel_head_dim).
-SUPPORTED_HEAD_DIMS = (64, 96, 128, 256)
-# Where 96 runs padded to 128: deterministic=True (the GPU's deterministic dq kernel has no 96) and the
-# distributed layer (magi_jax.dist_attn: its stage calls at 96 have not run on GPUs yet).
-HEAD_DIMS_WITHOUT_96 = (64, 128, 256)
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+# The head dims of deterministic=True: the GPU's deterministic dq kernel has 64 and 128 (96 runs padded to
+# 128, 192 to 256, which the GPU refuses: it has no deterministic backward at 256).
+DETERMINISTIC_HEAD_DIMS = (64, 128, 256)
 # The names that flex_flash_attn and calc_attn give their out and lse as saved for the backward: under
 # jax.checkpoint, the policy jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES) keeps them,
 # so the backward pass does not run the attention forward again (by default it does).
@@ -39,8 +39,9 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     A batch of sequences, q [B, Tq, Hq, D] with k, v [B, Tk, ...] (or [Tk, ...], keys every sequence shares),
     takes the mask (or slices [N, 2], [N]) of every sequence, or slices [B, N, 2], [B, N] each its own, and
     gives out [B, Tq, Hq, Dv], lse [B, Tq, Hq]: as jax.vmap over the sequences would, one packed call.
-    D and Dv (1 to 256) may differ; the kernels run 64, 96, 128 and 256 (deterministic=True: 96 padded to
-    128), other sizes zero-padded to the next of them (kernel_head_dim), at the padded size's cost.
+    D and Dv (1 to 256) may differ; the kernels run 64, 96, 128, 192 and 256 (deterministic=True: 96 padded
+    to 128, 192 to 256), other sizes zero-padded to the next of them (kernel_head_dim), at the padded size's
+    cost.
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
     bitwise reproducible. Under jax.vmap the batch runs as one call (its elements packed end to end, each
     element's slices on its own tokens; keys shared by the batch are not copied). Under jit on arrays sharded
@@ -74,9 +75,8 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
     head_dim_v = v.shape[-1]
     deterministic = check_deterministic(deterministic)
-    dims = HEAD_DIMS_WITHOUT_96 if deterministic else SUPPORTED_HEAD_DIMS
-    out, lse = _ffa(*pad_head_dims(q, k, v, dims), q_ranges, k_ranges, attn_type_map, scale, cap, deterministic,
-                    check_sm_margin(sm_margin))
+    out, lse = _ffa(*pad_head_dims(q, k, v, kernel_head_dims(deterministic)), q_ranges, k_ranges, attn_type_map,
+                    scale, cap, deterministic, check_sm_margin(sm_margin))
     return drop_head_dim_padding(out, head_dim_v), lse
 
 
@@ -135,9 +135,14 @@ def with_sinks(out: jax.Array, lse: jax.Array, sinks) -> tuple[jax.Array, jax.Ar
     return (out.astype(jnp.float32) * kept[..., None]).astype(out.dtype), jnp.logaddexp(lse, sinks)
 
 
+def kernel_head_dims(deterministic: bool) -> tuple[int, ...]:
+    """The head dims the kernels run: SUPPORTED_HEAD_DIMS, or DETERMINISTIC_HEAD_DIMS for deterministic=True."""
+    return DETERMINISTIC_HEAD_DIMS if deterministic else SUPPORTED_HEAD_DIMS
+
+
 def kernel_head_dim(head_dim: int, head_dim_v: int, dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS) -> int:
-    """The kernels' head dim for q, k of head_dim and v of head_dim_v: the least of dims (SUPPORTED_HEAD_DIMS
-    or HEAD_DIMS_WITHOUT_96) that holds both."""
+    """The kernels' head dim for q, k of head_dim and v of head_dim_v: the least of dims (kernel_head_dims)
+    that holds both."""
     return next(d for d in dims if d >= max(head_dim, head_dim_v))
 
 

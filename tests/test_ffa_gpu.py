@@ -39,10 +39,11 @@ def run_case(mask, hq=2, hkv=2, d=128, dtype=jnp.bfloat16, seed=0, grads=True, *
 
 @pytest.mark.parametrize("mask_type", TYPES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("d", [64, 96, 128])
+@pytest.mark.parametrize("d", [64, 96, 128, 192])
 def test_each_type_alone(mask_type, dtype, d):
     # Unaligned ranges inside larger tensors: partial blocks on every edge. D 96: the sm90 kernels' tiles
-    # with their second 64-column chunk half filled.
+    # with their second 64-column chunk half filled; D 192: D 256's plan on three chunks (the backward's
+    # second warpgroup at N 64).
     mask = AttnMask([[5, 350]], [[20, 530]], [mask_type], 360, 545)
     run_case(mask, dtype=dtype, d=d, seed=d)
 
@@ -313,10 +314,10 @@ def test_one_million_tokens_varlen_causal_forward_backward():
         assert_within_rule(name, part(got), r, l)
 
 
-@pytest.mark.parametrize("d, dv", [(96, 96), (192, 128), (32, 64)])
+@pytest.mark.parametrize("d, dv", [(80, 80), (192, 128), (32, 64)])
 def test_head_dims_other_than_the_kernels(d, dv):
-    # Zero-padded to 128, 256 and 64 (ffa.pad_head_dims), v's head dim apart: bf16 against float64, gradients
-    # included, on whichever kernels the padded size takes.
+    # Zero-padded to 96, 192 (v: MLA's 192 / 128) and 64 (ffa.pad_head_dims), v's head dim apart: bf16 against
+    # float64, gradients included, on whichever kernels the padded size takes.
     mask = masks.varlen_causal([700, 333, 91])
     rng = np.random.default_rng(d + dv)
     q, k, _ = random_qkv(rng, 1124, 1124, 4, 2, d, jnp.bfloat16)
@@ -447,11 +448,12 @@ def test_head_dim_96_deterministic_backward_call_is_refused_by_name():
                                             96 ** -0.5, 0.0, True))
 
 
-@pytest.mark.parametrize("hq, hkv, deterministic", [(8, 2, False), (8, 1, False), (8, 2, True)])
-def test_head_dim_96_gqa_and_mqa(hq, hkv, deterministic):
-    # D 96's own backward under GQA / MQA (dK / dV summed over each group's CTA walks), and deterministic=True
-    # run at 128.
-    run_case(masks.varlen_causal([200, 333, 91]), hq=hq, hkv=hkv, d=96, deterministic=deterministic, seed=hq + hkv)
+@pytest.mark.parametrize("d, hq, hkv, deterministic", [(96, 8, 2, False), (96, 8, 1, False), (96, 8, 2, True),
+                                                       (192, 8, 2, False), (192, 8, 1, False)])
+def test_head_dims_96_and_192_gqa_and_mqa(d, hq, hkv, deterministic):
+    # D 96's and 192's own backward under GQA / MQA (dK / dV summed over each group's CTA walks), and
+    # deterministic=True run at 128.
+    run_case(masks.varlen_causal([200, 333, 91]), hq=hq, hkv=hkv, d=d, deterministic=deterministic, seed=hq + hkv)
 
 
 @pytest.mark.parametrize("d", [256, 192])
@@ -490,6 +492,8 @@ def test_head_dim_256_deterministic_backward_is_refused_by_name(d):
     (96, 256, False, False),    # head dim 96 (D 128's CTAs on half-filled chunks), for the distributed layer
     (96, 256, False, True),
     (96, 200, False, True),
+    (192, 192, False, False),   # head dim 192 (D 256's 64-key CTAs on three chunks)
+    (192, 100, False, True),
 ])
 def test_backward_with_two_key_sources_matches_one(d, split, deterministic, packed):
     # The distributed backward's path (ffa._bwd_call with k2, v2) against the same keys in one array.
@@ -503,7 +507,7 @@ def test_backward_with_two_key_sources_matches_one(d, split, deterministic, pack
 
 
 @pytest.mark.parametrize("shared_delta", [False, True])
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_backward_chained_dq_matches_one_call(d, shared_delta):
     # The staged distributed backward: calls over disjoint slice sets (remote keys, then local ones), dQ
     # accumulated in place in one float32 buffer (aliased from call to call) and rounded once at the end;
@@ -523,7 +527,7 @@ def two_call_case(d: int, seed: int):
     return mask, random_qkv(np.random.default_rng(seed), 700, 700, 4, 2, d, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
     # A distributed stage call reads the receive buffer as is, K and V side by side per row (the sm90 maps
     # and the mma.sync loads at a row stride of 2 Hkv D): the same kernel on the same values.
@@ -533,7 +537,7 @@ def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_merged_forward_leaves_rows_without_keys_as_they_were(d):
     # The merging call's q blocks without keys (rows [0, 512) here: the first four of 128 rows; its slice
     # starts at row 550) are not visited at all: they keep the first call's out and lse bit for bit.
@@ -543,7 +547,7 @@ def test_merged_forward_leaves_rows_without_keys_as_they_were(d):
         np.testing.assert_array_equal(a[:512].view(np.uint8), b[:512].view(np.uint8))
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_forward_merged_into_a_previous_call_matches_one_call(d):
     # The distributed forward's stage calls: the kernel merges its part into the out and lse so far, in place
     # (this file runs on the default sm90 kernels, tests/test_ffa_mma_gpu.py on mma.sync).

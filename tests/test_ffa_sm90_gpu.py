@@ -68,23 +68,26 @@ def test_smoke_sm90_forward_matches_mma_sync(d):
     np.testing.assert_allclose(out, ref_out, rtol=0, atol=2e-2)
 
 
-def test_smoke_head_dim_256_forward():
-    # D 256 has no mma.sync kernel to agree with: the float64 reference. The smoke mask (two slices, one
-    # causal, unaligned edges, GQA), forward only (the backward: test_smoke_head_dim_256_backward).
+@pytest.mark.parametrize("d", [192, 256])
+def test_smoke_head_dim_256_forward(d):
+    # D 192 and 256 have no mma.sync kernel to agree with: the float64 reference. The smoke mask (two slices,
+    # one causal, unaligned edges, GQA), forward only (the backward: test_smoke_head_dim_256_backward).
     mask = AttnMask([[0, 300], [100, 333]], [[0, 300], [250, 400]], [1, 0], 333, 400)
-    run_case(mask, hq=4, hkv=2, d=256, seed=256, grads=False)
+    run_case(mask, hq=4, hkv=2, d=d, seed=d, grads=False)
 
 
-def test_smoke_head_dim_256_backward():
-    # The D 256 backward (64-key CTAs, the warpgroups split D, dQ by TMA reduce-add) against the float64
-    # reference on the smoke mask: 7 CTAs of 64 keys per kv head (400 = 6 x 64 + 16), two per k-block list.
-    # A hang here: cuda/NOTES.md (D 256 backward) debugging hints (barriers 1 / 5, row_empty's 2 arrivals).
+@pytest.mark.parametrize("d", [192, 256])
+def test_smoke_head_dim_256_backward(d):
+    # The D 256 backward (64-key CTAs, the warpgroups split D, dQ by TMA reduce-add; at 192 warpgroup 1 holds
+    # 64 columns) against the float64 reference on the smoke mask: 7 CTAs of 64 keys per kv head (400 = 6 x 64
+    # + 16), two per k-block list. A hang here: cuda/NOTES.md (D 256 backward) debugging hints (barriers 1 / 5,
+    # row_empty's 2 arrivals).
     mask = AttnMask([[0, 300], [100, 333]], [[0, 300], [250, 400]], [1, 0], 333, 400)
-    run_case(mask, hq=4, hkv=2, d=256, seed=258)
+    run_case(mask, hq=4, hkv=2, d=d, seed=d + 2)
 
 
 @pytest.mark.parametrize("mask_type", ["full", "causal", "inv_causal"])
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_forward_rows_whose_max_climbs_along_the_keys(mask_type, d):
     # The forward keeps a row's max while it grows by at most kRescaleSlack (8, log2 units) and rescales O only
     # when it grows by more (flash_fwd_sm90_kernel.h, Sm90RowSoftmax); at D 64 / 128 its mainloop first tries
@@ -147,7 +150,7 @@ def test_persistent_grid_many_tiles_varlen_causal(sched, monkeypatch):
     run_case(mask, hq=16, hkv=4, d=128, grads=False, seed=11)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_persistent_grid_many_short_walks(d):
     # A window of 128 over 8k tokens x 16 heads: 1024 tiles of about two steps, ~8 a CTA, so the tile warp
     # waits on each Q buffer's release (q_empty) for every tile after a CTA's second, and the K / V warp runs
@@ -176,11 +179,11 @@ GROUP_SLICES = [
 ]
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("capacity", [None, "0"])
 def test_forward_walks_groups_of_slices(d, capacity, monkeypatch):
     # Against the float64 reference, from the block lists and by the scan (capacity 0), at each head dim's
-    # key tile (128; 80 at D 256); the families of tests/test_ffa_gpu.py (sliding windows, block causal,
+    # key tile (128; 80 at D 192 and 256); the families of tests/test_ffa_gpu.py (sliding windows, block causal,
     # shared question) group too.
     if capacity is not None:
         monkeypatch.setenv("MAGI_JAX_CUDA_LIST_CAPACITY", capacity)

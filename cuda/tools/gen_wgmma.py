@@ -9,8 +9,8 @@ in the register order of the PTX ISA (d[4i + e] = acc[i][e]), i.e. the mma.sync 
 """
 
 # N 32: the backward's S^T / dP^T half tiles of head dim 256 (32 rows per warpgroup); N 80: the forward's S tile
-# of head dim 256 (key tiles of 80); N 96 and 256: O += P V (RS) of head dims 96 and 256.
-NS = (32, 64, 80, 96, 128, 256)
+# of head dims 192 and 256 (key tiles of 80); N 96, 192 and 256: O += P V (RS) of head dims 96, 192 and 256.
+NS = (32, 64, 80, 96, 128, 192, 256)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 
