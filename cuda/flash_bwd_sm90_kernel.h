@@ -593,8 +593,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // The warpgroup's column count is a template argument (its wgmma N and accumulator sizes): at D 192 the
     // two warpgroups run different instantiations, a warp-uniform branch.
     constexpr int kCols0 = Tile::kSplitCols0, kCols1 = Tile::kSplitCols1;
-    if (kCols0 == kCols1 || wg == 1) BwdSm90SplitDConsumer<T, D, kCols0, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
-    else BwdSm90SplitDConsumer<T, D, kCols1, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
+    const int cw = wg - 1;
+    if (kCols0 == kCols1 || cw == 0) BwdSm90SplitDConsumer<T, D, kCols0, kDq, kSoftcap>(p, smem, tile_addr, cw);
+    else BwdSm90SplitDConsumer<T, D, kCols1, kDq, kSoftcap>(p, smem, tile_addr, cw);
     return;
   }
   constexpr int DT = D / 8;

@@ -94,13 +94,15 @@ def test_head_dims_other_than_the_kernels(d, dv, cp):
     check_against_reference(global_fn(mp), mask, q, k, v, rng)
 
 
-@pytest.mark.parametrize("deterministic, kernel_dim", [(False, 96), (True, 128)])
-def test_head_dim_96_stage_calls_run_at_96_and_deterministic_at_128(deterministic, kernel_dim):
+@pytest.mark.parametrize("d, deterministic, kernel_dim", [(96, False, 96), (96, True, 128), (192, False, 192),
+                                                          (192, True, 256)])
+def test_stage_calls_run_at_the_kernels_head_dim(d, deterministic, kernel_dim):
     # Every custom call of the forward+backward (host and stage calls, inside the shard_map) sees q at the
-    # kernels' head dim: 96 itself, or 128 with deterministic=True (the GPU's deterministic dq kernel has no 96).
+    # kernels' head dim: 96 and 192 themselves, or 128 and 256 with deterministic=True (the GPU's
+    # deterministic dq kernel has neither).
     mask = masks.varlen_causal(DOCS)
-    mp = mj.plan(mask, mesh_of(2), chunk_size=16, overlap=2, num_heads_q=2, head_dim=96)
-    q, k, v = random_qkv(np.random.default_rng(9), mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, 96)
+    mp = mj.plan(mask, mesh_of(2), chunk_size=16, overlap=2, num_heads_q=2, head_dim=d)
+    q, k, v = random_qkv(np.random.default_rng(9), mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, d)
     loss = lambda q, k, v: jnp.sum(global_fn(mp, deterministic=deterministic)(q, k, v)[0])
     eqns = ffi_eqns(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
     attn = [e for e in eqns if e.params["target_name"] in ("magi_jax_ffa_fwd", "magi_jax_ffa_bwd")]
