@@ -88,10 +88,10 @@ struct ListSizes {
 };
 
 // Whether the sm90 kernels (TMA + wgmma forward and dK/dV, launch_{fwd,bwd}_sm90.cu) run: by default, and
-// always where they are the only ones (sm90_only: head dims 96, 192, 256); MAGI_JAX_FFA_KERNEL=mma selects the mma.sync
-// ones (also the fallback where the sm90 launch declines an input). Read at every call (a getenv), like the
-// capacity below, so that one process can compare both (bench/kernel.py) and tests can switch it; an
-// unknown value is an error, not a silent default.
+// always where they are the only ones (sm90_only: head dims 96, 192, 256); MAGI_JAX_FFA_KERNEL=mma selects
+// the mma.sync ones (also the fallback where the sm90 launch declines an input). Read at every call (a
+// getenv), like the capacity below, so that one process can compare both (bench/kernel.py) and tests can
+// switch it; an unknown value is an error, not a silent default.
 ffi::ErrorOr<bool> UseSm90(bool sm90_only) {
   const char* env = std::getenv("MAGI_JAX_FFA_KERNEL");
   const std::string name = env == nullptr ? "" : env;
@@ -100,10 +100,10 @@ ffi::ErrorOr<bool> UseSm90(bool sm90_only) {
   return ffi::Error::InvalidArgument("MAGI_JAX_FFA_KERNEL: '" + name + "' is not a kernel (sm90 or mma)");
 }
 
-// Head dims 96, 192 and 256 have one CUDA forward and one backward each, the sm90 ones (TMA + wgmma; the mma.sync
-// kernels have no tiles for them: HasMmaKernels), so they take them whatever MAGI_JAX_FFA_KERNEL says, on an
-// sm_90 GPU (the only target this library is built for); anything else gets a clear error before any kernel
-// runs. Their backward is the dK/dV kernel with dQ by TMA reduce-add: deterministic=False only.
+// Head dims 96, 192 and 256 have one CUDA forward and one backward each, the sm90 ones (TMA + wgmma; the
+// mma.sync kernels have no tiles for them: HasMmaKernels), so they take them whatever MAGI_JAX_FFA_KERNEL says,
+// on an sm_90 GPU (the only target this library is built for); anything else gets a clear error before any
+// kernel runs. Their backward is the dK/dV kernel with dQ by TMA reduce-add: deterministic=False only.
 ffi::Error CheckSm90ForHeadDim(int64_t d) {
   int device = 0, major = 0, minor = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return CudaFailure("device", err);

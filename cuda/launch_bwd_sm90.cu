@@ -230,26 +230,18 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
                       sp.tiles != nullptr ? Follows::kOurKernel : Follows::kAnything, sp);
 }
 
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 64>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 128>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__half, 64>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__half, 128>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
+#define MAGI_INSTANTIATE_BWD_SM90(T, D) \
+  template cudaError_t LaunchBwdDkDvSm90<T, D>(const BwdParams&, bool, int32_t*, cudaStream_t, const KeySplit&);
+MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 64)
+MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 128)
+MAGI_INSTANTIATE_BWD_SM90(__half, 64)
+MAGI_INSTANTIATE_BWD_SM90(__half, 128)
 // Head dims 96, 192 and 256: the only CUDA dK/dV kernels for them (the mma.sync ones have none; handlers.cu).
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 96>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__half, 96>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 192>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__half, 192>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__nv_bfloat16, 256>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
-template cudaError_t LaunchBwdDkDvSm90<__half, 256>(const BwdParams&, bool, int32_t*, cudaStream_t,
-                                                       const KeySplit&);
+MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 96)
+MAGI_INSTANTIATE_BWD_SM90(__half, 96)
+MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 192)
+MAGI_INSTANTIATE_BWD_SM90(__half, 192)
+MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 256)
+MAGI_INSTANTIATE_BWD_SM90(__half, 256)
 
 }  // namespace magi_jax::cuda

@@ -82,9 +82,9 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
   if (num_blocks == 0 || p.hq == 0) return cudaSuccess;
   // What TMA needs; anything else is left to the mma.sync kernel (nothing has been enqueued yet).
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
-  // No keys: D 64 / 128 leave it to the mma.sync kernel; D 96, 192 and 256 have no other kernel, so their K and V
-  // maps are made over q instead (never read: with no keys every slice's key span is empty, the walks have no
-  // step, and the epilogue writes O = 0, lse = -inf).
+  // No keys: D 64 / 128 leave it to the mma.sync kernel; D 96, 192 and 256 have no other kernel, so their K
+  // and V maps are made over q instead (never read: with no keys every slice's key span is empty, the walks
+  // have no step, and the epilogue writes O = 0, lse = -inf).
   const bool no_keys = p.slices.tk == 0;
   if (encode == nullptr || (no_keys && HasMmaKernels(D)) || !Aligned16(p.q) || (!no_keys && !Aligned16(p.k)) ||
       (!no_keys && !Aligned16(p.v)) || !Aligned16(p.out))

@@ -544,7 +544,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
                          f"with that B, got shape {q.shape}")
     head_dim_v = v.shape[-1]
     # Before the collectives (K and V travel packed, one head dim).
-    q, k, v = ffa.pad_head_dims(q, k, v, ffa.kernel_head_dims(cfg.deterministic))
+    q, k, v = ffa.pad_head_dims(q, k, v, cfg.deterministic)
     if q.ndim == 3:
         out, lse = _attn(q, k, v, tabs, cfg)
     else:

@@ -75,8 +75,8 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
     head_dim_v = v.shape[-1]
     deterministic = check_deterministic(deterministic)
-    out, lse = _ffa(*pad_head_dims(q, k, v, kernel_head_dims(deterministic)), q_ranges, k_ranges, attn_type_map,
-                    scale, cap, deterministic, check_sm_margin(sm_margin))
+    out, lse = _ffa(*pad_head_dims(q, k, v, deterministic), q_ranges, k_ranges, attn_type_map, scale, cap,
+                    deterministic, check_sm_margin(sm_margin))
     return drop_head_dim_padding(out, head_dim_v), lse
 
 
@@ -135,23 +135,19 @@ def with_sinks(out: jax.Array, lse: jax.Array, sinks) -> tuple[jax.Array, jax.Ar
     return (out.astype(jnp.float32) * kept[..., None]).astype(out.dtype), jnp.logaddexp(lse, sinks)
 
 
-def kernel_head_dims(deterministic: bool) -> tuple[int, ...]:
-    """The head dims the kernels run: SUPPORTED_HEAD_DIMS, or DETERMINISTIC_HEAD_DIMS for deterministic=True."""
-    return DETERMINISTIC_HEAD_DIMS if deterministic else SUPPORTED_HEAD_DIMS
-
-
-def kernel_head_dim(head_dim: int, head_dim_v: int, dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS) -> int:
-    """The kernels' head dim for q, k of head_dim and v of head_dim_v: the least of dims (kernel_head_dims)
-    that holds both."""
+def kernel_head_dim(head_dim: int, head_dim_v: int, deterministic: bool = False) -> int:
+    """The kernels' head dim for q, k of head_dim and v of head_dim_v: the least of SUPPORTED_HEAD_DIMS (or
+    DETERMINISTIC_HEAD_DIMS for deterministic=True) that holds both."""
+    dims = DETERMINISTIC_HEAD_DIMS if deterministic else SUPPORTED_HEAD_DIMS
     return next(d for d in dims if d >= max(head_dim, head_dim_v))
 
 
 def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array,
-                  dims: tuple[int, ...] = SUPPORTED_HEAD_DIMS) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  deterministic: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v zero-padded along their last axis to kernel_head_dim (as they are where it is theirs). Exact:
     zeros add nothing to q k^T, and v's zero columns give output columns that the caller drops. The softmax
     scale stays the caller's (its default from q's own head dim)."""
-    d = kernel_head_dim(q.shape[-1], v.shape[-1], dims)
+    d = kernel_head_dim(q.shape[-1], v.shape[-1], deterministic)
     pad = lambda x: x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
     return pad(q), pad(k), pad(v)
 

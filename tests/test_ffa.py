@@ -74,8 +74,8 @@ def test_head_dim_80_runs_at_96_and_deterministic_at_128(deterministic, kernel_d
     calls = sorted((eqn.params["target_name"], eqn.invars[0].aval.shape) for eqn in ffi_eqns(grad, q, k, v))
     assert calls == [("magi_jax_ffa_bwd", (160, 4, kernel_dim)), ("magi_jax_ffa_fwd", (160, 4, kernel_dim))], calls
     assert [g.shape for g in grad(q, k, v)] == [(160, 4, 80), (160, 2, 80), (160, 2, 80)]
-    assert ffa.kernel_head_dim(80, 48) == 96 and ffa.kernel_head_dim(80, 48, ffa.kernel_head_dims(True)) == 128
-    assert ffa.kernel_head_dim(192, 128) == 192 and ffa.kernel_head_dim(192, 128, ffa.kernel_head_dims(True)) == 256
+    assert ffa.kernel_head_dim(80, 48) == 96 and ffa.kernel_head_dim(80, 48, deterministic=True) == 128
+    assert ffa.kernel_head_dim(192, 128) == 192 and ffa.kernel_head_dim(192, 128, deterministic=True) == 256
 
 
 def test_softcap_and_scale():
