@@ -12,7 +12,8 @@ slices built on the host), `ffa_nn_traced` with the ids traced (slices built on 
 call by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN) on that batch, `ffa_kv_repeat` the
 grouped-query case with k and v repeated to the q heads (run as multi-head), `ffa_padded` causal_16k_d96 with q, k, v
 padded to head dim 128 and causal_16k_mla192_128 with them padded to 256 (as they ran before the kernels had
-head dims 96 and 192). Every implementation's output (and dq)
+head dims 96 and 192), `ffa_v_padded` causal_16k_mla192_128 with v padded to 192 (as it ran before the forward took
+v at 128). Every implementation's output (and dq)
 is compared with FFA's before it is timed. The last lines check the targets of the speed issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the table to
 $OUT when set.
@@ -162,15 +163,16 @@ def ffa_kv_repeat(mask: AttnMask) -> Callable:
     return fn
 
 
-def ffa_padded(mask: AttnMask, kernel_dim: int) -> Callable:
-    """FFA on q, k, v zero-padded to head dim kernel_dim (the scale kept at q's own head dim's): how head dims
-    96 (at 128) and 192 (at 256) ran before the kernels had them, side by side with them."""
+def ffa_padded(mask: AttnMask, kernel_dim: int, kernel_dim_v: int | None = None) -> Callable:
+    """FFA on q, k zero-padded to head dim kernel_dim and v to kernel_dim_v (default kernel_dim; the scale kept
+    at q's own head dim's): how head dims 96 (at 128) and 192 (at 256; v at 192) ran before the kernels had
+    them, side by side with them."""
     qr, kr, types_ = mask.kernel_args()
 
     def fn(q, k, v):
-        pad = lambda x: jnp.pad(x, [(0, 0)] * 2 + [(0, kernel_dim - x.shape[-1])])
-        out = mj.flex_flash_attn(pad(q[0]), pad(k[0]), pad(v[0]), qr, kr, types_,
-                                 softmax_scale=q.shape[-1] ** -0.5)[0]
+        pad = lambda x, n: jnp.pad(x[0], [(0, 0)] * 2 + [(0, n - x.shape[-1])])
+        out = mj.flex_flash_attn(pad(q, kernel_dim), pad(k, kernel_dim), pad(v, kernel_dim_v or kernel_dim), qr, kr,
+                                 types_, softmax_scale=q.shape[-1] ** -0.5)[0]
         return out[None, ..., :v.shape[-1]]
     return fn
 
@@ -294,16 +296,16 @@ def make_cases() -> list[Case]:
     cases.append(Case("causal_16k_d256", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True)}, head_dim=256))
-    # Head dim 96 and MLA's 192 for q / k with 128 for v (v zero-padded to 192: magi_jax.ffa pad_head_dims),
-    # which the kernels run at their own sizes (ffa_padded: at 128 and 256, as before they did). TFLOP/s count
-    # the unpadded dims.
+    # Head dim 96 and MLA's 192 for q / k with 128 for v, which the kernels run at their own sizes (ffa_padded:
+    # at 128 and 256, ffa_v_padded: v at 192, as before they did). TFLOP/s count the unpadded dims.
     cases.append(Case("causal_16k_d96", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
         "tokamax": lambda: tokamax(is_causal=True),
         "ffa_padded": lambda: ffa_padded(masks.causal(16384), 128)}, head_dim=96))
     cases.append(Case("causal_16k_mla192_128", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal,
-        "ffa_padded": lambda: ffa_padded(masks.causal(16384), 256)}, head_dim=192, head_dim_v=128))
+        "ffa_padded": lambda: ffa_padded(masks.causal(16384), 256),
+        "ffa_v_padded": lambda: ffa_padded(masks.causal(16384), 192, 192)}, head_dim=192, head_dim_v=128))
     return cases
 
 
@@ -413,8 +415,8 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_padded", "jax_nn", "cudnn", "tokamax",
-           "xla_dense")
+           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_padded", "ffa_v_padded", "jax_nn", "cudnn",
+           "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:

@@ -204,10 +204,12 @@ MAGI_DEV void PackP(const float (&s)[NT][4], uint32_t (&pa)[NT / 2][4]) {
 // kSoftcap: the launcher picks the instantiation (p.base.softcap > 0). A template parameter rather than a
 // branch per step: the softcap path's tanhf sequences set the consumers' register peak, and with both paths in
 // one kernel ptxas kept the row sums of every step in local memory (a 28-byte spill at D 128).
-template <typename T, int D, bool kSoftcap>
-__global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ FwdSm90Params p) {
-  using Tile = FwdSm90Tile<D>;
+// Dv: v's and out's head dim (FwdSm90Tile).
+template <typename T, int D, int Dv, bool kSoftcap>
+__global__ void __launch_bounds__(FwdSm90Tile<D, Dv>::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ FwdSm90Params p) {
+  using Tile = FwdSm90Tile<D, Dv>;
   constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, kStages = Tile::kStages, kChunks = Tile::kChunks;
+  constexpr int kVChunks = Tile::kVChunks;
   constexpr int WM = Tile::kRowsPerWarpgroup;
   // Arrivals that free a Q buffer or a K / V stage (release, below): each consumer warp at D 64 / 128, each
   // warpgroup at D 256.
@@ -313,7 +315,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
 #pragma unroll
               for (int c = 0; c < kChunks; ++c) {
                 TmaPrefetchL2(&p.k_map, 64 * c, hk, last);
-                TmaPrefetchL2(&p.v_map, 64 * c, hk, last);
+                if (c < kVChunks) TmaPrefetchL2(&p.v_map, 64 * c, hk, last);
               }
             }
             MbarArriveExpectTx(&bars.q_full[qs.stage], Tile::kQBytes);
@@ -364,16 +366,16 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
       for (; st.cur >= 0; FwdStepNext(walk, args, r0, BM, BN, p.group_gap, &st)) {
         if (lane == 0) {
           MbarWait(&bars.k_empty[kv.stage], kv.phase ^ 1);
-          MbarArriveExpectTx(&bars.k_full[kv.stage], Tile::kKvBytes);
+          MbarArriveExpectTx(&bars.k_full[kv.stage], Tile::kKBytes);
 #pragma unroll
           for (int c = 0; c < kChunks; ++c)
-            TmaLoad3d(sk + kv.stage * Tile::kKvBytes + c * (BN * 128), &p.k_map, &bars.k_full[kv.stage], 64 * c, hk,
+            TmaLoad3d(sk + kv.stage * Tile::kKBytes + c * (BN * 128), &p.k_map, &bars.k_full[kv.stage], 64 * c, hk,
                       st.c0);
           MbarWait(&bars.v_empty[kv.stage], kv.phase ^ 1);
-          MbarArriveExpectTx(&bars.v_full[kv.stage], Tile::kKvBytes);
+          MbarArriveExpectTx(&bars.v_full[kv.stage], Tile::kVBytes);
 #pragma unroll
-          for (int c = 0; c < kChunks; ++c)
-            TmaLoad3d(sv + kv.stage * Tile::kKvBytes + c * (BN * 128), &p.v_map, &bars.v_full[kv.stage], 64 * c, hk,
+          for (int c = 0; c < kVChunks; ++c)
+            TmaLoad3d(sv + kv.stage * Tile::kVBytes + c * (BN * 128), &p.v_map, &bars.v_full[kv.stage], 64 * c, hk,
                       st.c0);
         }
         kv.Advance();
@@ -386,14 +388,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
 
   // ------------------------------------------------------------------------------------------- consumers
   SetMaxRegsInc<Tile::kConsumerRegs>();
-  constexpr int NT = BN / 8, DT = D / 8;
+  constexpr int NT = BN / 8, DT = Dv / 8;  // O's column groups: v's head dim
   static_assert(DT % 2 == 0, "O leaves by 16 columns (StMatrixX4)");
   const int cw = wg - 1, ctid = tid - 128, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
   (void)ctid;
   const int tq = args.tq;
   constexpr bool softcap = kSoftcap;
   const float scale_log2 = (softcap ? 1.0f : fp.scale) * kLog2e;
-  // Descriptor bases: K and V of stage 0 (stages are kKvBytes apart); Q's is made per tile (its buffer).
+  // Descriptor bases: K and V of stage 0 (stages kKBytes, kVBytes apart); Q's is made per tile (its buffer).
   // Descriptors as their low 32 bits (start address >> 4, LBO), offsets added there: the high half (SBO
   // 1024, 128B swizzle) is one constant for all of them, and the 14-bit address field does not carry
   // (shared memory < 256 KB; DescAdd assumes the same).
@@ -402,7 +404,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   const uint32_t desc_k = uint32_t(desc_k_full);
   const uint32_t desc_v = uint32_t(SmemDesc128B(sv, BN * 128));
   auto desc = [desc_hi](uint32_t lo) { return (uint64_t(desc_hi) << 32) | lo; };
-  // This warpgroup's output staging: kChunks chunks of [64 rows][64] (128B swizzle) kOChunkBytes apart; with
+  // This warpgroup's output staging: kVChunks chunks of [64 rows][64] (128B swizzle) kOChunkBytes apart; with
   // kOInQ (D 256) its own 64 rows of the Q buffer.
   unsigned char* so_wg = so + cw * Tile::kOWgBytes;
 
@@ -454,7 +456,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
   // registers.
   float s[1][NT][4];
   auto issue_s = [&](uint32_t desc_q) {
-    const uint32_t dk = desc_k + ((kv.stage * Tile::kKvBytes) >> 4);
+    const uint32_t dk = desc_k + ((kv.stage * Tile::kKBytes) >> 4);
     const uint32_t dq = desc_q + OpaqueZero();
     WgmmaFence();
     Wgmma<T, BN>::template SSZero<0, 0>(s[0], desc(dq), desc(dk));
@@ -507,14 +509,14 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     auto start_group = [&]() { GroupRowMasks(walk, args, st, wr0, WM, BN, row, lo, hi, &interior); };
     // O += P(j) V(j) from the stage `at`, issued (not waited; V waited for by the caller).
     auto issue_pv = [&](const PipeState<kStages>& at) {
-      const uint32_t dv = desc_v + ((at.stage * Tile::kKvBytes) >> 4);
+      const uint32_t dv = desc_v + ((at.stage * Tile::kVBytes) >> 4);
       // Each wgmma batch has its own wgmma.fence, and the register fences (empty asm writing o and pa) go
       // before it (C7519 otherwise: ptxas injects its own warpgroup.arrive).
       FenceRegs(o);
       FenceRegs(pa);
       WgmmaFence();
 #pragma unroll
-      for (int kk = 0; kk < NT / 2; ++kk) Wgmma<T, D>::template RS<1>(o, pa[kk], desc(dv + ((kk * 2048) >> 4)), 1);
+      for (int kk = 0; kk < NT / 2; ++kk) Wgmma<T, Dv>::template RS<1>(o, pa[kk], desc(dv + ((kk * 2048) >> 4)), 1);
       WgmmaCommit();
     };
     // The softmax of S(j) in parts: mask_s applies the softcap and the mask and says which rows have keys in
@@ -732,7 +734,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D>::kThreads, 1) FlashFwdSm90Kerne
     NamedBarrierSync(kEpilogueBarrier + cw, 128);
     if (wtid == 0) {
 #pragma unroll
-      for (int c = 0; c < kChunks; ++c) TmaStore3d(&p.out_map, so_wg + c * Tile::kOChunkBytes, 64 * c, h, int(wr0));
+      for (int c = 0; c < kVChunks; ++c) TmaStore3d(&p.out_map, so_wg + c * Tile::kOChunkBytes, 64 * c, h, int(wr0));
       BulkCommit();
       if constexpr (Tile::kOInQ) {
         // The staging rows are this warpgroup's Q rows: the next tile's Q may land once the store has read them.

@@ -160,15 +160,21 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                       ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev,
                       float softmax_scale, float softcap, int32_t sm_margin, bool kv_packed,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed, /*v_head_dim_apart=*/true);
   if (dims.has_error()) return dims.error();
-  if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
+  if (auto err = CheckForwardOut(*out, q, dims->dv); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
   if (sm_margin < 0) return ffi::Error::InvalidArgument("sm_margin: must be >= 0");
-  auto merge = CheckMergeInputs(q, out_prev, lse_prev);
+  auto merge = CheckMergeInputs(*out, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
 
   if (auto err = CheckTypeAndDim(q.element_type(), dims->d); err.failure()) return err;
+  // v of its own head dim: MLA's q / k 192 with v 128 (FwdSm90Tile's Dv); any other pair is padded by the caller.
+  const bool v_apart = dims->dv != dims->d;
+  if (v_apart && !(dims->d == 192 && dims->dv == 128))
+    return ffi::Error::InvalidArgument("v: head_dim " + std::to_string(dims->dv) + " differs from q's " +
+                                       std::to_string(dims->d) + "; the CUDA forward takes v at q's head dim, or "
+                                       "192 with 128");
   const bool sm90_only = !HasMmaKernels(int(dims->d));
   if (sm90_only) {
     if (auto err = CheckSm90ForHeadDim(dims->d); err.failure()) return err;
@@ -220,7 +226,12 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     if constexpr (!HasMmaKernels(D)) {
       // No mma.sync fallback: inputs TMA cannot take (a pointer not 16-byte aligned, no tensor-map entry
       // point in the driver) are an error.
-      const cudaError_t err = LaunchFwdSm90<T, D>(p, q_lists, sm90_scratch, stream);
+      cudaError_t err = cudaErrorNotSupported;
+      if constexpr (D == 192)
+        err = v_apart ? LaunchFwdSm90<T, 192, 128>(p, q_lists, sm90_scratch, stream)
+                      : LaunchFwdSm90<T, D>(p, q_lists, sm90_scratch, stream);
+      else
+        err = LaunchFwdSm90<T, D>(p, q_lists, sm90_scratch, stream);
       if (err == cudaErrorNotSupported)
         return ffi::Error::InvalidArgument(
             "q: head_dim " + std::to_string(D) + " runs on the sm90 (TMA) forward only, which needs q, k, v "

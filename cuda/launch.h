@@ -70,9 +70,10 @@ cudaError_t LaunchBwdDq(const BwdParams& p, cudaStream_t stream);
 // p.lists itself into `lists` (LaunchFwd needs them built: BuildBlockLists). scratch: FwdSm90ScratchInts(tq)
 // int32 of device memory. Returns cudaErrorNotSupported, having enqueued nothing, when the inputs do not suit
 // TMA (unaligned pointers, no keys, no tensor-map entry point): the caller then runs LaunchFwd. D 256
-// (instantiated here only: LaunchFwd has no D 256) takes inputs without keys too.
+// (instantiated here only: LaunchFwd has no D 256) takes inputs without keys too. Dv: v's and out's head dim
+// (192 with 128 besides Dv = D; the handlers' dispatch).
 int64_t FwdSm90ScratchInts(int64_t tq);
-template <typename T, int D>
+template <typename T, int D, int Dv = D>
 cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t* scratch, cudaStream_t stream);
 
 // The sm90 dK/dV kernel (TMA + wgmma, warp-specialised; launch_bwd_sm90.cu), with dQ added into p.dq_accum

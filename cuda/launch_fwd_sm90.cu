@@ -1,7 +1,7 @@
 // The sm90 forward's launcher: tensor maps (built here on the host from device pointers and static shapes:
 // no synchronisation), the q blocks' lists (block_lists.h: the count, then the fill here with each block's
 // work), the longest-first tile order (the sort, tile_order.cu), the persistent grid, and the instantiations
-// (bf16, fp16) x (D 64, 96, 128, 192, 256).
+// (bf16, fp16) x (D 64, 96, 128, 192, 256; D 192 with v of 128 too).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
@@ -59,12 +59,12 @@ int ClaimLeadFromEnv(int fallback) {
 // "ffa@MAGI_JAX_SM90_GROUPS=0"): every slice walked alone, as before groups (scheduler_sm90.h FwdStepFrom).
 int GroupGapFromEnv(int tile) { return EnvEquals("MAGI_JAX_SM90_GROUPS", "0") ? kNoGroups : tile; }
 
-// Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V, all tk keys of them, fit
-// L2SectionBudget; at least one group.
-int SectionHeads(const FwdParams& p, int d, int elem_bytes, int device) {
+// Q heads per L2 section (scheduler_sm90.h): whole GQA groups whose K and V (head dims d, dv), all tk keys of
+// them, fit L2SectionBudget; at least one group.
+int SectionHeads(const FwdParams& p, int d, int dv, int elem_bytes, int device) {
   const int64_t budget = L2SectionBudget(device);
   const int group = p.hq / p.hkv;
-  const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.slices.tk) * d * elem_bytes * 2);
+  const int64_t kv_head_bytes = std::max<int64_t>(1, int64_t(p.slices.tk) * (d + dv) * elem_bytes);
   const int64_t kv_heads = std::clamp<int64_t>(budget / kv_head_bytes, 1, p.hkv);
   return int(kv_heads) * group;
 }
@@ -75,9 +75,9 @@ int SectionHeads(const FwdParams& p, int d, int elem_bytes, int device) {
 // aligned).
 int64_t FwdSm90ScratchInts(int64_t tq) { return 2 * ((tq + kQBlock - 1) / kQBlock) + 6; }
 
-template <typename T, int D>
+template <typename T, int D, int Dv>
 cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t* scratch, cudaStream_t stream) {
-  using Tile = FwdSm90Tile<D>;
+  using Tile = FwdSm90Tile<D, Dv>;
   const int num_blocks = NumBlocks(p.slices.tq, Tile::kBlockM);
   if (num_blocks == 0 || p.hq == 0) return cudaSuccess;
   // What TMA needs; anything else is left to the mma.sync kernel (nothing has been enqueued yet).
@@ -96,8 +96,8 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
   FwdSm90Params sp{};
   if (!EncodeMap<T>(encode, &sp.q_map, p.q, p.slices.tq, p.hq, D, Tile::kBlockM) ||
       !EncodeMap<T>(encode, &sp.k_map, k_base, kv_rows, kv_heads, D, Tile::kBlockN, kv_row_heads) ||
-      !EncodeMap<T>(encode, &sp.v_map, v_base, kv_rows, kv_heads, D, Tile::kBlockN, kv_row_heads) ||
-      !EncodeMap<T>(encode, &sp.out_map, p.out, p.slices.tq, p.hq, D, Tile::kRowsPerWarpgroup))
+      !EncodeMap<T>(encode, &sp.v_map, v_base, kv_rows, kv_heads, Dv, Tile::kBlockN, kv_row_heads) ||
+      !EncodeMap<T>(encode, &sp.out_map, p.out, p.slices.tq, p.hq, Dv, Tile::kRowsPerWarpgroup))
     return cudaErrorNotSupported;
   int device = 0, sms = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
@@ -132,13 +132,13 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
   // not visited (a distributed stage call has many: 4720 of 8192 on rank 0 of the 2-GPU bench).
   sp.live_blocks = p.out_prev != nullptr && sched == Sched::kLpt ? live : nullptr;
   sp.num_tiles = num_blocks * p.hq;
-  sp.section_heads = SectionHeads(p, D, int(sizeof(T)), device);
+  sp.section_heads = SectionHeads(p, D, Dv, int(sizeof(T)), device);
   sp.work_stats = stats;
   sp.work = work;
   sp.claim_lead = ClaimLeadFromEnv(Tile::kClaimLead);
   sp.prefetch_last = EnvEquals("MAGI_JAX_SM90_PREFETCH_LAST", "0") ? 0 : 1;
   sp.group_gap = group_gap;
-  auto kernel = p.softcap > 0.0f ? FlashFwdSm90Kernel<T, D, true> : FlashFwdSm90Kernel<T, D, false>;
+  auto kernel = p.softcap > 0.0f ? FlashFwdSm90Kernel<T, D, Dv, true> : FlashFwdSm90Kernel<T, D, Dv, false>;
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)
     return err;
@@ -149,16 +149,18 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
   return LaunchKernel(kernel, grid, Tile::kThreads, Tile::kSmemBytes, stream, Follows::kOurKernel, sp);
 }
 
-template cudaError_t LaunchFwdSm90<__nv_bfloat16, 64>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__nv_bfloat16, 128>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__half, 64>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__half, 128>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-// Head dims 96, 192 and 256: the only CUDA forwards for them (the mma.sync kernel has none; handlers.cu).
-template cudaError_t LaunchFwdSm90<__nv_bfloat16, 96>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__half, 96>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__nv_bfloat16, 192>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__half, 192>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__nv_bfloat16, 256>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
-template cudaError_t LaunchFwdSm90<__half, 256>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
+#define MAGI_INSTANTIATE_FWD_SM90(D, DV)                                                                       \
+  template cudaError_t LaunchFwdSm90<__nv_bfloat16, D, DV>(const FwdParams&, const ListBuffers&, int32_t*,      \
+                                                           cudaStream_t);                                       \
+  template cudaError_t LaunchFwdSm90<__half, D, DV>(const FwdParams&, const ListBuffers&, int32_t*, cudaStream_t);
+MAGI_INSTANTIATE_FWD_SM90(64, 64)
+MAGI_INSTANTIATE_FWD_SM90(128, 128)
+// Head dims 96, 192 and 256: the only CUDA forwards for them (the mma.sync kernel has none; handlers.cu); 192
+// with v of 128 (MLA) too.
+MAGI_INSTANTIATE_FWD_SM90(96, 96)
+MAGI_INSTANTIATE_FWD_SM90(192, 192)
+MAGI_INSTANTIATE_FWD_SM90(192, 128)
+MAGI_INSTANTIATE_FWD_SM90(256, 256)
+#undef MAGI_INSTANTIATE_FWD_SM90
 
 }  // namespace magi_jax::cuda

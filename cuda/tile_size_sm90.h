@@ -33,7 +33,10 @@ constexpr int kSetMaxNRegPool(int threads) { return 65536 / threads / 8 * 8 * th
 // S(j): 188 + the walk, masks and descriptors, within the 232 of setmaxnreg.
 // Head dim 192: the same plan on three chunks (Q 48 KB, K and V 2 stages x 30 KB each: 172,032 B of tiles;
 // O 96 registers; S in twelve k16 steps, O += P V at N 192).
-template <int D>
+// Dv, v's (and out's) head dim, where it differs from D: MLA's q / k 192 with v 128 (FA3's hdim 192 / 128).
+// Only V, O and P V shrink: V tiles of Dv columns (2 stages x 20 KB), O 64 registers, O += P V at N Dv, the
+// output staged in the Q buffer's first Dv / 64 chunks.
+template <int D, int Dv = D>
 struct FwdSm90Tile {
   static constexpr int kBlockM = 128;  // = kQBlock: the q-block slice lists serve both forward kernels
   static constexpr int kBlockN = D <= 128 ? 128 : 80;
@@ -62,23 +65,26 @@ struct FwdSm90Tile {
   static constexpr int kRowsPerWarpgroup = kBlockM / kConsumerWarpgroups;
   static constexpr int kChunks = (D + 63) / 64;
   static constexpr int kCols = kChunks * 64;  // a tile row in shared memory, D padded to whole chunks
+  static constexpr int kVChunks = (Dv + 63) / 64;  // V's and O's, as kChunks
+  static constexpr int kVCols = kVChunks * 64;
   // setmaxnreg: 128 x 40 + 256 x 232 = 64512 registers, the CTA's pool (168 per thread at launch).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 
   // Whole boxes: TMA counts the zeros it fills past D toward the transaction bytes.
   static constexpr uint32_t kQBytes = kBlockM * kCols * 2;
-  static constexpr uint32_t kKvBytes = kBlockN * kCols * 2;  // one K or V tile
-  static constexpr uint32_t kOBytes = kOInQ ? 0 : kBlockM * kCols * 2;  // output staging (kOInQ: none of its own)
+  static constexpr uint32_t kKBytes = kBlockN * kCols * 2;  // one K tile
+  static constexpr uint32_t kVBytes = kBlockN * kVCols * 2;  // one V tile
+  static constexpr uint32_t kOBytes = kOInQ ? 0 : kBlockM * kVCols * 2;  // output staging (kOInQ: none of its own)
   static constexpr uint32_t kQOffset = 0;
   static constexpr uint32_t kKOffset = kQOffset + kQStages * kQBytes;
-  static constexpr uint32_t kVOffset = kKOffset + kStages * kKvBytes;
-  static constexpr uint32_t kOOffset = kOInQ ? kQOffset : kVOffset + kStages * kKvBytes;
-  static constexpr uint32_t kBarOffset = kVOffset + kStages * kKvBytes + kOBytes;
+  static constexpr uint32_t kVOffset = kKOffset + kStages * kKBytes;
+  static constexpr uint32_t kOOffset = kOInQ ? kQOffset : kVOffset + kStages * kVBytes;
+  static constexpr uint32_t kBarOffset = kVOffset + kStages * kVBytes + kOBytes;
   // The output staging of consumer warpgroup cw starts at kOOffset + cw * kOWgBytes, its 64-column chunks
   // kOChunkBytes apart ([rows][64], 128B swizzle, as the out map's box): a buffer of its own is
   // [warpgroup][chunk][64 rows][64]; in the Q buffer ([chunk][128 rows][64]) the warpgroup's own Q rows.
-  static constexpr int kOWgBytes = kOInQ ? kRowsPerWarpgroup * 128 : kRowsPerWarpgroup * kCols * 2;
+  static constexpr int kOWgBytes = kOInQ ? kRowsPerWarpgroup * 128 : kRowsPerWarpgroup * kVCols * 2;
   static constexpr int kOChunkBytes = kOInQ ? kBlockM * 128 : kRowsPerWarpgroup * 128;
   static constexpr uint32_t kBarBytes = 384;  // FwdSm90Barriers: up to 26 mbarriers, two tile records and walks
   // + 1024 so that the kernel can align the dynamic buffer to the 1024 bytes the swizzle atoms need.
@@ -86,8 +92,9 @@ struct FwdSm90Tile {
 
   static_assert(kBlockM == kQBlock, "the forward kernels share the q-block slice lists");
   static_assert(D % 64 == 0 || D == 96, "tiles are loaded in 64-column chunks; 96 is the one partial chunk");
+  static_assert(Dv == D || (Dv % 64 == 0 && Dv < D && kOInQ), "a smaller v in whole chunks, its O staged in Q");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "O += P V takes k16 steps; S is one wgmma N");
-  static_assert((kBlockN * 128) % 1024 == 0 && kKvBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
+  static_assert((kBlockN * 128) % 1024 == 0 && kKBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(!kOInQ || kQStages == 1, "the Q buffer doubles as O staging only when there is one");
   static_assert(kSmemBytes <= 227 * 1024, "fits one CTA per SM");
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kSetMaxNRegPool(kThreads),

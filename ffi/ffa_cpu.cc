@@ -125,18 +125,18 @@ BlockLists KBlockLists(const Params& p) {
 template <typename T>
 void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
              const T* out_prev, const float* lse_prev) {
-  const auto& [tq, tk, hq, hkv, d, n] = p.dims;
+  const auto& [tq, tk, hq, hkv, d, n, dv] = p.dims;
   const int64_t group = hq / hkv;
   BlockLists lists = QBlockLists(p);
   const int64_t nqb = (tq + kBlockQ - 1) / kBlockQ;
-  std::vector<Scratch> scratch(NumWorkers(pool, nqb * hq), Scratch(d));
+  std::vector<Scratch> scratch(NumWorkers(pool, nqb * hq), Scratch(std::max(d, dv)));
 
   ParallelFor(pool, nqb * hq, [&](int64_t task, int worker) {
     Scratch& w = scratch[worker];
     const int64_t qb = task / hq, h = task % hq, r0 = qb * kBlockQ, r1 = std::min(tq, r0 + kBlockQ);
     const int64_t m = r1 - r0;
     LoadRows(q, hq, d, h, r0, r1, w.q.data());
-    std::fill(w.acc.begin(), w.acc.begin() + m * d, 0.0);
+    std::fill(w.acc.begin(), w.acc.begin() + m * dv, 0.0);
     std::fill(w.m.begin(), w.m.begin() + m, kNegInf);
     std::fill(w.l.begin(), w.l.begin() + m, 0.0);
     for (int64_t x = lists.offsets[qb]; x < lists.offsets[qb + 1]; ++x) {
@@ -147,7 +147,7 @@ void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, con
       for (int64_t c0 = kb; c0 < ke; c0 += kBlockK) {
         const int64_t nc = std::min(ke, c0 + kBlockK) - c0, mr = re - rb;
         LoadRowsTransposed(k, p.kv_row_heads, d, h / group, c0, c0 + nc, w.kt.data());
-        LoadRows(v, p.kv_row_heads, d, h / group, c0, c0 + nc, w.v.data());
+        LoadRows(v, p.kv_row_heads, dv, h / group, c0, c0 + nc, w.v.data());
         MatMul(w.q.data() + (rb - r0) * d, w.kt.data(), w.s.data(), int(mr), int(d), int(nc), false);
         MakeLogits(p, s, rb, mr, c0, nc, w.s.data());
         for (int64_t i = 0; i < mr; ++i) {  // online softmax update of row rb + i
@@ -164,10 +164,10 @@ void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, con
           for (int64_t j = 0; j < nc; ++j) sum += (row[j] = std::exp(row[j] - m_new));
           w.l[ri] = w.l[ri] * alpha + sum;
           w.m[ri] = m_new;
-          for (int64_t j = 0; j < d; ++j) w.acc[ri * d + j] *= alpha;
+          for (int64_t j = 0; j < dv; ++j) w.acc[ri * dv + j] *= alpha;
         }
-        MatMul(w.s.data(), w.v.data(), w.tile.data(), int(mr), int(nc), int(d), false);
-        AddTile(w.tile.data(), w.acc.data() + (rb - r0) * d, mr * d);
+        MatMul(w.s.data(), w.v.data(), w.tile.data(), int(mr), int(nc), int(dv), false);
+        AddTile(w.tile.data(), w.acc.data() + (rb - r0) * dv, mr * dv);
       }
     }
     for (int64_t i = 0; i < m; ++i) {
@@ -184,10 +184,10 @@ void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, con
           row_lse = top + std::log(a + b);
         }
       }
-      T* o = out + at * d;
-      const T* prev = out_prev == nullptr ? nullptr : out_prev + at * d;
-      for (int64_t j = 0; j < d; ++j)
-        o[j] = FromFloat<T>(float(w.acc[i * d + j] * wc + (prev ? wp * ToFloat(prev[j]) : 0.0)));
+      T* o = out + at * dv;
+      const T* prev = out_prev == nullptr ? nullptr : out_prev + at * dv;
+      for (int64_t j = 0; j < dv; ++j)
+        o[j] = FromFloat<T>(float(w.acc[i * dv + j] * wc + (prev ? wp * ToFloat(prev[j]) : 0.0)));
       lse[at] = float(row_lse);
     }
   });
@@ -224,7 +224,7 @@ template <typename T, typename TDq>
 void Backward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, const T* v, const T* out,
               const T* dout, const float* lse, const float* dlse, const float* dq_in, const float* delta_in, TDq* dq,
               T* dk, T* dv) {
-  const auto& [tq, tk, hq, hkv, d, n] = p.dims;
+  [[maybe_unused]] const auto& [tq, tk, hq, hkv, d, n, d_v] = p.dims;  // d_v = d: v as k in the backward
   const int64_t group = hq / hkv;
   // delta = rowsum(dout * out) - dlse: the softmax-gradient correction of every (row, head); lse's own
   // cotangent enters here because d lse / d logit = P.
@@ -353,10 +353,10 @@ ffi::Error FfaFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                       ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev, float softmax_scale, float softcap,
                       int32_t /*sm_margin: a GPU launch setting*/, bool kv_packed,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed, /*v_head_dim_apart=*/true);
   if (dims.has_error()) return dims.error();
-  if (auto err = CheckSameShape("out", *out, q); err.failure()) return err;
-  auto merge = CheckMergeInputs(q, out_prev, lse_prev);
+  if (auto err = CheckForwardOut(*out, q, dims->dv); err.failure()) return err;
+  auto merge = CheckMergeInputs(*out, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
   if (kv_packed) p.kv_row_heads = 2 * dims->hkv;

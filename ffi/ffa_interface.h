@@ -12,7 +12,8 @@
 // The forward's attribute kv_packed: k is [Tk, 2 Hkv, D], K in heads [0, Hkv) and V in [Hkv, 2 Hkv) of each
 // row (a group collective's receive buffer, [Tk, 2, Hkv, D], as is); v is the same array (only k is read).
 // Shapes: q/out/dout/dq [Tq, Hq, D]; k/v/dk/dv [Tk, Hkv, D]; lse and dlse (the cotangent of lse, used when
-// partial results are merged by lse) [Tq, Hq] float32;
+// partial results are merged by lse) [Tq, Hq] float32; the forward only takes v [Tk, Hkv, Dv] and gives out
+// [Tq, Hq, Dv] with Dv != D (not packed; on CUDA D 192 with Dv 128, MLA's shapes);
 // ranges int32 [N, 2] (half-open); attn_type_map int32 [N] (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL).
 // q, k, v share one dtype (bf16, fp16, fp32); out and the gradients have the inputs' dtype.
 // Logits: scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0. Rows covered by several
@@ -83,6 +84,7 @@ auto BindFfaBwd(Binding binding) {
 // Problem sizes, read from the buffers once the shapes are checked.
 struct FfaDims {
   int64_t tq, tk, hq, hkv, d, num_slices;
+  int64_t dv;  // v's head dim (the backward's: d)
 };
 
 inline ffi::Error CheckSameShape(const char* name, const ffi::AnyBuffer& a, const ffi::AnyBuffer& ref) {
@@ -95,17 +97,24 @@ inline ffi::Error CheckSameShape(const char* name, const ffi::AnyBuffer& a, cons
 
 // Checks ranks and shape agreement of the forward inputs (the Python wrapper gives clearer errors first;
 // this guards direct callers of the custom call). kv_packed: k (and v, the same buffer) is [Tk, 2 Hkv, D].
+// v_head_dim_apart: v may be [Tk, Hkv, Dv] with its own head dim (the forward; the backward takes v as k).
 inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                             const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& q_ranges,
                                             const ffi::Buffer<ffi::S32>& k_ranges,
-                                            const ffi::Buffer<ffi::S32>& types, bool kv_packed = false) {
-  auto qd = q.dimensions(), kd = k.dimensions();
+                                            const ffi::Buffer<ffi::S32>& types, bool kv_packed = false,
+                                            bool v_head_dim_apart = false) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 3 || kd.size() != 3) return ffi::Error::InvalidArgument("q and k must be [T, H, D]");
-  if (auto err = CheckSameShape("v", v, k); err.failure()) return err;
+  if (v_head_dim_apart && !kv_packed) {
+    if (vd.size() != 3 || vd[0] != kd[0] || vd[1] != kd[1] || v.element_type() != k.element_type())
+      return ffi::Error::InvalidArgument("v: must be [Tk, Hkv, Dv] with k's tokens, heads and dtype");
+  } else if (auto err = CheckSameShape("v", v, k); err.failure()) {
+    return err;
+  }
   if (k.element_type() != q.element_type()) return ffi::Error::InvalidArgument("k: dtype differs from q");
   if (kv_packed && kd[1] % 2 != 0)
     return ffi::Error::InvalidArgument("k: kv_packed needs k (and v, the same) [Tk, 2 Hkv, D]");
-  FfaDims dims{qd[0], kd[0], qd[1], kv_packed ? kd[1] / 2 : kd[1], qd[2], 0};
+  FfaDims dims{qd[0], kd[0], qd[1], kv_packed ? kd[1] / 2 : kd[1], qd[2], 0, kv_packed ? kd[2] : vd[2]};
   if (kd[2] != dims.d) return ffi::Error::InvalidArgument("k: head dim differs from q");
   if (dims.hkv == 0 || dims.hq % dims.hkv != 0)
     return ffi::Error::InvalidArgument("q heads must be a multiple of k heads");
@@ -115,6 +124,14 @@ inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::
     return ffi::Error::InvalidArgument("q_ranges/k_ranges must be [N, 2] and attn_type_map [N]");
   dims.num_slices = qr[0];
   return dims;
+}
+
+// The forward's out: [Tq, Hq, Dv] in q's dtype.
+inline ffi::Error CheckForwardOut(const ffi::AnyBuffer& out, const ffi::AnyBuffer& q, int64_t dv) {
+  auto od = out.dimensions(), qd = q.dimensions();
+  if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != dv || out.element_type() != q.element_type())
+    return ffi::Error::InvalidArgument("out: must be [Tq, Hq, Dv] (v's head dim) in q's dtype");
+  return ffi::Error::Success();
 }
 
 // The backward's second key source: k2 like k but for its row count, v2 and the gradients dk2, dv2 like k2;
@@ -138,12 +155,12 @@ inline ffi::ErrorOr<int64_t> CheckSecondKeys(const ffi::AnyBuffer& k, const ffi:
 // A forward split into calls over disjoint key sets (the distributed forward: host keys, then each stage's)
 // merges each call into the previous one's out and lse (given, aliased to out and lse) instead of a merge
 // pass after them. Returns whether they are given (both empty: not).
-inline ffi::ErrorOr<bool> CheckMergeInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& out_prev,
+inline ffi::ErrorOr<bool> CheckMergeInputs(const ffi::AnyBuffer& out, const ffi::AnyBuffer& out_prev,
                                            const ffi::AnyBuffer& lse_prev) {
   const bool has_out = out_prev.dimensions().size() == 3, has_lse = lse_prev.dimensions().size() == 2;
   if (!has_out && !has_lse) return false;
-  if (auto err = CheckSameShape("out_prev", out_prev, q); err.failure()) return err;
-  auto qd = q.dimensions(), ld = lse_prev.dimensions();
+  if (auto err = CheckSameShape("out_prev", out_prev, out); err.failure()) return err;
+  auto qd = out.dimensions(), ld = lse_prev.dimensions();
   if (!has_lse || ld[0] != qd[0] || ld[1] != qd[1] || lse_prev.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("lse_prev: must be float32 [Tq, Hq] with out_prev");
   return true;

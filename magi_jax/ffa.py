@@ -18,6 +18,9 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # The head dims of deterministic=True: the GPU's deterministic dq kernel has 64 and 128 (96 runs padded to
 # 128, 192 to 256, which the GPU refuses: it has no deterministic backward at 256).
 DETERMINISTIC_HEAD_DIMS = (64, 128, 256)
+# The forward's head dims for v smaller than q's, by q's kernel head dim: MLA's q / k 192 with v up to 128
+# run with v at 128, not padded to 192 (a third less P V work and v traffic); the backward pads v to q's.
+FORWARD_V_HEAD_DIMS = {192: 128}
 # The names that flex_flash_attn and calc_attn give their out and lse as saved for the backward: under
 # jax.checkpoint, the policy jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES) keeps them,
 # so the backward pass does not run the attention forward again (by default it does).
@@ -41,7 +44,7 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     gives out [B, Tq, Hq, Dv], lse [B, Tq, Hq]: as jax.vmap over the sequences would, one packed call.
     D and Dv (1 to 256) may differ; the kernels run 64, 96, 128, 192 and 256 (deterministic=True: 96 padded
     to 128, 192 to 256), other sizes zero-padded to the next of them (kernel_head_dim), at the padded size's
-    cost.
+    cost; the forward runs D 192 with Dv up to 128 at Dv 128 (MLA's shapes; FORWARD_V_HEAD_DIMS).
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
     bitwise reproducible. Under jax.vmap the batch runs as one call (its elements packed end to end, each
     element's slices on its own tokens; keys shared by the batch are not copied). Under jit on arrays sharded
@@ -75,8 +78,8 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
     head_dim_v = v.shape[-1]
     deterministic = check_deterministic(deterministic)
-    out, lse = _ffa(*pad_head_dims(q, k, v, deterministic), q_ranges, k_ranges, attn_type_map, scale, cap,
-                    deterministic, check_sm_margin(sm_margin))
+    out, lse = _ffa(*pad_head_dims(q, k, v, deterministic, v_apart=True), q_ranges, k_ranges, attn_type_map,
+                    scale, cap, deterministic, check_sm_margin(sm_margin))
     return drop_head_dim_padding(out, head_dim_v), lse
 
 
@@ -142,14 +145,20 @@ def kernel_head_dim(head_dim: int, head_dim_v: int, deterministic: bool = False)
     return next(d for d in dims if d >= max(head_dim, head_dim_v))
 
 
-def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array,
-                  deterministic: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q, k, v zero-padded along their last axis to kernel_head_dim (as they are where it is theirs). Exact:
-    zeros add nothing to q k^T, and v's zero columns give output columns that the caller drops. The softmax
-    scale stays the caller's (its default from q's own head dim)."""
+def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array, deterministic: bool = False,
+                  v_apart: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v zero-padded along their last axis to kernel_head_dim (as they are where it is theirs); with
+    v_apart, v to the forward's own head dim for it where there is one (FORWARD_V_HEAD_DIMS). Exact: zeros
+    add nothing to q k^T, and v's zero columns give output columns that the caller drops. The softmax scale
+    stays the caller's (its default from q's own head dim)."""
     d = kernel_head_dim(q.shape[-1], v.shape[-1], deterministic)
-    pad = lambda x: x if x.shape[-1] == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, d - x.shape[-1])])
-    return pad(q), pad(k), pad(v)
+    dv = FORWARD_V_HEAD_DIMS.get(d, d) if v_apart else d
+    return pad_last_axis(q, d), pad_last_axis(k, d), pad_last_axis(v, dv if v.shape[-1] <= dv else d)
+
+
+def pad_last_axis(x: jax.Array, size: int) -> jax.Array:
+    """x zero-padded along its last axis to size."""
+    return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
 def drop_head_dim_padding(out: jax.Array, head_dim_v: int) -> jax.Array:
@@ -246,26 +255,27 @@ def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_mar
     """out, lse over the slices given; prev: (out, lse) of an earlier call over the same q and other keys
     (disjoint slices), merged in by the kernel and updated in place: the result is that of both calls'
     slices together. v None: k is K and V packed, [Tk, 2, Hkv, D] (a group collective's receive buffer),
-    read as is."""
+    read as is. out is [Tq, Hq, Dv], v's head dim (FORWARD_V_HEAD_DIMS: the pairs the GPU takes)."""
     kv_packed = v is None
     if kv_packed:
         if k.ndim != 4 or k.shape[1] != 2:
             raise ValueError(f"k: packed K and V must be [Tk, 2, Hkv, D], got {k.shape}")
         k = k.reshape(k.shape[0], 2 * k.shape[2], k.shape[3])
         v = k
+    out_shape = (*q.shape[:2], v.shape[-1])
     if prev is None:
         prev = (jnp.zeros((0,), q.dtype), jnp.zeros((0,), jnp.float32))
         aliases = None
     else:
-        if prev[0].shape != q.shape or prev[0].dtype != q.dtype or prev[1].shape != q.shape[:2]:
-            raise ValueError(f"prev: expected out {q.shape} {q.dtype} and lse {q.shape[:2]} float32, got "
+        if prev[0].shape != out_shape or prev[0].dtype != q.dtype or prev[1].shape != q.shape[:2]:
+            raise ValueError(f"prev: expected out {out_shape} {q.dtype} and lse {q.shape[:2]} float32, got "
                              f"{prev[0].shape} {prev[0].dtype} and {prev[1].shape}")
         prev = (prev[0], prev[1].astype(jnp.float32))
         aliases = {6: 0, 7: 1}
     _ffi.check_kernel_env()
     return _ffi.call(
         _ffi.FFA_FWD,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
+        (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
         q, k, v, q_ranges, k_ranges, attn_type_map, *prev, aliases=aliases, softmax_scale=np.float32(scale),
         softcap=np.float32(softcap), sm_margin=np.int32(sm_margin), kv_packed=kv_packed)
 
@@ -416,9 +426,12 @@ def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, determi
 def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
+    # The backward kernels take v (so out, dout) at q's head dim: a forward's v of its own is padded here.
+    head_dim_v = v.shape[-1]
+    v, out, dout = (pad_last_axis(x, q.shape[-1]) for x in (v, out, dout))
     dq, dk, dv = _one(_batched_bwd(scale, softcap, deterministic), *((x, True) for x in (
         q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map)))
-    return dq, dk, dv, None, None, None
+    return dq, dk, drop_head_dim_padding(dv, head_dim_v), None, None, None
 
 
 def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic,

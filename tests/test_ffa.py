@@ -78,6 +78,25 @@ def test_head_dim_80_runs_at_96_and_deterministic_at_128(deterministic, kernel_d
     assert ffa.kernel_head_dim(192, 128) == 192 and ffa.kernel_head_dim(192, 128, deterministic=True) == 256
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_mla_forward_takes_v_at_its_own_head_dim(deterministic):
+    # q, k 192 with v 100: the forward's v at 128 (ffa.FORWARD_V_HEAD_DIMS), out sliced to 100; the backward's
+    # v, out and dout at 192. deterministic=True: everything at 256, as before.
+    mask = masks.varlen_causal([40, 90, 30])
+    rng = np.random.default_rng(6)
+    q, k, _ = random_qkv(rng, 160, 160, 4, 2, 192)
+    v = jnp.asarray(rng.standard_normal((160, 2, 100)).astype(np.float32))
+    loss = lambda q, k, v: jnp.sum(mj.flex_flash_attn(q, k, v, mask=mask, deterministic=deterministic)[0])
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    calls = sorted((eqn.params["target_name"], eqn.invars[0].aval.shape[-1], eqn.invars[2].aval.shape[-1])
+                   for eqn in ffi_eqns(grad, q, k, v))
+    d, dv = (256, 256) if deterministic else (192, 128)
+    assert calls == [("magi_jax_ffa_bwd", d, d), ("magi_jax_ffa_fwd", d, dv)], calls
+    assert [g.shape for g in grad(q, k, v)] == [(160, 4, 192), (160, 2, 192), (160, 2, 100)]
+    check_against_reference(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, deterministic=deterministic),
+                            mask, q, k, v, rng)
+
+
 def test_softcap_and_scale():
     run_case(masks.sliding_window([70, 100], 30), softcap=3.0, softmax_scale=0.3)
 

@@ -29,9 +29,12 @@ def _on_gpu():
     assert _ffi.HAS_CUDA_LIBRARY, "libmagi_jax_cuda.so was not found beside magi_jax (build with nvcc)"
 
 
-def run_case(mask, hq=2, hkv=2, d=128, dtype=jnp.bfloat16, seed=0, grads=True, **kwargs):
+def run_case(mask, hq=2, hkv=2, d=128, dtype=jnp.bfloat16, seed=0, grads=True, dv=None, **kwargs):
+    """flex_flash_attn on fresh inputs (q, k of head dim d, v of dv, default d) against float64."""
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hkv, d, dtype)
+    if dv is not None:
+        v = jnp.asarray(rng.standard_normal((*v.shape[:2], dv)).astype(np.float32)).astype(dtype)
     fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, **kwargs))
     check_against_reference(fn, mask, q, k, v, rng, kwargs.get("softmax_scale"), kwargs.get("softcap", 0.0),
                             grads=grads)
@@ -325,6 +328,48 @@ def test_head_dims_other_than_the_kernels(d, dv):
     fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask))
     assert fn(q, k, v)[0].shape == (1124, 4, dv)
     check_against_reference(fn, mask, q, k, v, rng)
+
+
+# --------------------------------------------------------------------------------- MLA: q, k 192, v 128
+# The forward takes v at its own 128 (cuda/ FwdSm90Tile<192, 128>: V tiles, O and P V of 128 columns, O
+# staged in the Q buffer's first two chunks); the backward pads v, out and dout to 192 (ffa.FORWARD_V_HEAD_DIMS).
+
+@pytest.mark.parametrize("mask_type", TYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_mla_head_dims_each_type_alone(mask_type, dtype):
+    mask = AttnMask([[5, 350]], [[20, 530]], [mask_type], 360, 545)
+    run_case(mask, dtype=dtype, d=192, dv=128, seed=19)
+
+
+def test_mla_head_dims_mixed_types_gqa_softcap():
+    mask = AttnMask([[0, 300], [120, 540], [180, 210], [450, 600], [0, 600], [200, 600]],
+                    [[0, 390], [30, 600], [0, 150], [300, 480], [270, 285], [0, 600]],
+                    [0, 1, 2, 3, 1, 0], 600, 600)
+    run_case(mask, hq=8, hkv=2, d=192, dv=128, softcap=5.0, seed=20)
+
+
+def test_mla_head_dims_persistent_grid_many_short_walks():
+    # 1024 tiles of about two steps (tests/test_ffa_sm90_gpu.py test_persistent_grid_many_short_walks): the
+    # V stages' own byte count on every release.
+    run_case(masks.sliding_window([3000, 2500, 2692], 128), hq=16, hkv=4, d=192, dv=128, grads=False, seed=21)
+
+
+def test_mla_head_dims_merged_forward_matches_one_call():
+    mask, (q, k, v) = two_call_case(192, seed=22)
+    v = v[..., :128]
+    one, two = merged_forward(mask, q, k, v, cut=2)
+    assert one[0].shape == (700, 4, 128)
+    for name, a, b in zip(["out", "lse"], one, two):
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
+        assert rel < 1e-2, (name, rel)   # out: rounded to bf16 once more in between
+
+
+def test_forward_refuses_other_v_head_dims_by_name():
+    # The CUDA forward takes v at q's head dim or 192 / 128; flex_flash_attn pads every other pair first.
+    q, k, v = random_qkv(np.random.default_rng(23), 256, 256, 2, 2, 128, jnp.bfloat16)
+    args = tuple(jnp.asarray(a) for a in masks.causal(256).kernel_args())
+    with pytest.raises(Exception, match="v: head_dim 64 differs from q's 128"):
+        jax.block_until_ready(ffa._fwd_call(q, k, v[..., :64], *args, 0.1, 0.0))
 
 
 # ------------------------------------------------------------------------------------------ head dim 256
