@@ -271,8 +271,9 @@ __global__ void __launch_bounds__(FwdSm90Tile<D, Dv>::kThreads, 1) FlashFwdSm90K
       while (true) {
         // Two Q buffers: a tile is taken once its Q buffer is free (its tile two back is done, the one before
         // has just started), one tile ahead of the consumers: no earlier, which keeps the longest-first greedy
-        // order's tail. One Q buffer (D 256): free only after the epilogue of the tile before, so the tile is
-        // taken and its record made first, and its Q waits.
+        // order's tail. One Q buffer (D 192, 256): free only once the tile before is done with it (its last
+        // S; its epilogue's store where O is staged in it), so the tile is taken and its record made first,
+        // and its Q waits.
         if constexpr (Tile::kQStages == 2) MbarWait(&bars.q_empty[qs.stage], qs.phase ^ 1);
         // ... and once the K/V warp is p.claim_lead steps from the end of the tile before: a long tile's
         // successor is taken near its end, not at its start, so the tiles in flight on the grid stay close in

@@ -34,8 +34,11 @@ constexpr int kSetMaxNRegPool(int threads) { return 65536 / threads / 8 * 8 * th
 // Head dim 192: the same plan on three chunks (Q 48 KB, K and V 2 stages x 30 KB each: 172,032 B of tiles;
 // O 96 registers; S in twelve k16 steps, O += P V at N 192).
 // Dv, v's (and out's) head dim, where it differs from D: MLA's q / k 192 with v 128 (FA3's hdim 192 / 128).
-// Only V, O and P V shrink: V tiles of Dv columns (2 stages x 20 KB), O 64 registers, O += P V at N Dv, the
-// output staged in the Q buffer's first Dv / 64 chunks.
+// V tiles of Dv columns (2 stages x 20 KB), O 64 registers, O += P V at N Dv; the room this leaves takes an
+// output staging buffer of its own (32 KB: Q 48 + K 60 + V 40 + O 32 KB), so that the intra-warpgroup overlap
+// runs (O 64 + S 40 + P 20 registers), with the one Q buffer released after each tile's last S (the next
+// tile's Q load waits for it). Measured +2.7% forward against O staged in Q without the overlap (NOTES.md,
+// thirty-ninth session); the softcap instantiation spills 8 bytes.
 template <int D, int Dv = D>
 struct FwdSm90Tile {
   static constexpr int kBlockM = 128;  // = kQBlock: the q-block slice lists serve both forward kernels
@@ -51,14 +54,14 @@ struct FwdSm90Tile {
   // FwdSm90Params::claim_lead (MAGI_JAX_SM90_CLAIM_LEAD sets it: launch_fwd_sm90.cu).
   static constexpr int kClaimLead = 4;
   // The output is staged in the Q buffer (D 256, above) instead of a buffer of its own.
-  static constexpr bool kOInQ = D > 128;
+  static constexpr bool kOInQ = D > 128 && Dv == D;  // Dv < D: a buffer of its own (above)
   // The inter-warpgroup ping-pong (flash_fwd_sm90_kernel.h; the kernel's kPingPong switches it off for all).
   static constexpr bool kPingPong = true;
   // The intra-warpgroup overlap (the softmax of S(j) under the PV wgmma of step j - 1): S(j) and P(j - 1)
   // live at once. D 256: off (O 128 + S 40 + P 20 registers spilled 232 bytes at 232 per thread, still
   // 56 with key tiles of 64); the ping-pong alone hides the softmax there, as each warpgroup's GEMMs per
-  // step take about twice as long as its softmax.
-  static constexpr bool kIntraWgOverlap = D <= 128;
+  // step take about twice as long as its softmax. D 192 with Dv 128: on (above).
+  static constexpr bool kIntraWgOverlap = D <= 128 || Dv <= 128;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
@@ -92,7 +95,7 @@ struct FwdSm90Tile {
 
   static_assert(kBlockM == kQBlock, "the forward kernels share the q-block slice lists");
   static_assert(D % 64 == 0 || D == 96, "tiles are loaded in 64-column chunks; 96 is the one partial chunk");
-  static_assert(Dv == D || (Dv % 64 == 0 && Dv < D && kOInQ), "a smaller v in whole chunks, its O staged in Q");
+  static_assert(Dv == D || (Dv % 64 == 0 && Dv < D), "a smaller v in whole chunks");
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256, "O += P V takes k16 steps; S is one wgmma N");
   static_assert((kBlockN * 128) % 1024 == 0 && kKBytes % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(!kOInQ || kQStages == 1, "the Q buffer doubles as O staging only when there is one");

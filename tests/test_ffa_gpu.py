@@ -331,8 +331,9 @@ def test_head_dims_other_than_the_kernels(d, dv):
 
 
 # --------------------------------------------------------------------------------- MLA: q, k 192, v 128
-# The forward takes v at its own 128 (cuda/ FwdSm90Tile<192, 128>: V tiles, O and P V of 128 columns, O
-# staged in the Q buffer's first two chunks); the backward pads v, out and dout to 192 (ffa.FORWARD_V_HEAD_DIMS).
+# The forward takes v at its own 128 (cuda/ FwdSm90Tile<192, 128>: V tiles, O and P V of 128 columns, an O
+# staging buffer of its own, the intra-warpgroup overlap with one Q buffer); the backward pads v, out and dout
+# to 192 (ffa.FORWARD_V_HEAD_DIMS).
 
 @pytest.mark.parametrize("mask_type", TYPES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
