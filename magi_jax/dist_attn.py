@@ -513,7 +513,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
 
     q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]: this rank's local buffers (L = plan.local_len), or with one
     leading batch dim [B, L, ...] (every batch element has the plan's mask). Head dims as flex_flash_attn's
-    (other than 64 / 128 / 256 padded before the collectives). Returns out [.., L, Hq, Dv] in q's dtype and
+    (others zero-padded to the kernels' next before the collectives; v to q's: K and V travel packed). Returns out [.., L, Hq, Dv] in q's dtype and
     lse [.., L, Hq] float32. Options: ``transport`` of the group collectives ("auto", "all_to_all",
     "ppermute"); ``reduce_wire_dtype``: dtype of dK/dV partials on the wire in the backward (default: the
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "staged" (default: one FFA
