@@ -252,14 +252,14 @@ MAGI_DEV void SoftcapProbsAndDs(float (&s)[1][NT][4], float (&dp)[1][NT][4], con
 // contraction), the mask, P^T and dS^T, and writes both (bf16, [64 keys][64 rows], 128-byte swizzle) into
 // shared memory; after a barrier of both warpgroups it accumulates dV, dK for all 64 keys x its kWgCols columns
 // from 128 cw (SS, A = P^T / dS^T K-major, B = dO / Q MN-major, N kWgCols: 128, or 64 for warpgroup 1 at D 192)
-// and computes dQ = dS K for the 64 rows x those columns (A = dS^T MN-major, B = K MN-major), drained as
-// kWgCols / 32 boxes of 64 x 32 fp32 through its 8 KB staging buffer and TMA reduce-adds. Per step and
-// warpgroup (nothing in flight across steps):
+// and computes dQ = dS K for the 64 rows x its kDqCols columns from cw kSplitDqCols0 (A = dS^T MN-major, B = K
+// MN-major; at D 192 64 and 128, balancing the warpgroups' GEMMs), drained as kDqCols / 32 boxes of 64 x 32 fp32
+// through its 8 KB staging buffer and TMA reduce-adds. Per step and warpgroup (nothing in flight across steps):
 //   row_full wait | S^T, dP^T (two commit groups) | wait<1>: mask, P^T | wait<0>: dS^T | barrier 5 (the last
 //   step's readers of P^T / dS^T are done) | P^T, dS^T -> smem, fence | barrier 1 | dV, dK | dQ | wait<1>:
 //   release the Q / dO stage | wait<0> | drain dQ
 // Registers per thread (kWgCols 128): dK, dV 64 + 64; S^T, dP^T 16 + 16; dQ 64 (S^T / dP^T dead by then):
-// peak 192.
+// peak 192 (D 192: 160 in warpgroup 0, dQ 32; 128 in warpgroup 1).
 // Named barriers: 1 and 5 (both consumer warpgroups), 3 + cw (the warpgroup's dQ staging), 2 (epilogue).
 // Thread (g, t) of warp w stores row r = 16 w + 8 half + g, columns 8 i + 2 t (+1) of a 64 x 32 fp32 box in
 // the 128-byte swizzle (128-byte lines, one per row, 16-byte units XOR-ed by r & 7 = g): two wavefronts a
@@ -280,15 +280,17 @@ MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const fl
     }
 }
 
-template <typename T, int D, int kWgCols, bool kDq, bool kSoftcap>
+template <typename T, int D, int kWgCols, int kDqCols, bool kDq, bool kSoftcap>
 MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
   using Tile = BwdSm90Tile<D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
   constexpr int kHalfM = BM / 2, DT = kWgCols / 8, NT = kHalfM / 8;
+  const int dq_col0 = cw * Tile::kSplitDqCols0;  // the warpgroup's first dQ column
   static_assert(NT % 2 == 0, "P^T and dS^T leave by 16 columns (StMatrixX4)");
   static_assert(BN == 64 && BM == 64 && (D == 192 || D == 256),
                 "the split-D consumer is written for 64 keys, 64 rows, D 192 or 256");
-  static_assert(kWgCols % 64 == 0 && kWgCols <= 128, "a warpgroup's columns are whole chunks, N <= 128");
+  static_assert(kWgCols % 64 == 0 && kWgCols <= 128 && kDqCols % 64 == 0 && kDqCols <= 128,
+                "a warpgroup's columns are whole chunks, N <= 128");
   static_assert(Tile::kDqBoxCols == 32, "dQ leaves in boxes of 32 columns");
   using Region = BwdSm90Region<kStages>;
   unsigned char* sk = smem + Tile::kKOffset;
@@ -317,9 +319,9 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   const uint64_t desc_p = SmemDesc128B(sp, 16), desc_ds = SmemDesc128B(sds, 16);
   const uint64_t desc_do_mn = SmemDesc128B(sdo + 2 * cw * (BM * 128), BM * 128);
   const uint64_t desc_q_mn = SmemDesc128B(sq + 2 * cw * (BM * 128), BM * 128);
-  // dQ = dS K: A = dS^T MN-major, B = K's 64-column chunks of the warpgroup, MN-major.
+  // dQ = dS K: A = dS^T MN-major, B = K's 64-column chunks of the warpgroup's dQ columns, MN-major.
   const uint64_t desc_ds_mn = SmemDesc128B(sds, 64 * 128);
-  const uint64_t desc_k_mn = SmemDesc128B(sk + 2 * cw * (BN * 128), BN * 128);
+  const uint64_t desc_k_mn = SmemDesc128B(sk + dq_col0 / 64 * (BN * 128), BN * 128);
 
   float dk[DT][4], dv[DT][4];
 #pragma unroll
@@ -386,7 +388,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     }
     FenceProxyAsyncShared();
     NamedBarrierSync(1, Tile::kConsumerThreads);  // both warpgroups' rows of P^T, dS^T are in place
-    float dq[DT][4];
+    float dq[kDqCols / 8][4];
     {
       const uint64_t ddo_mn = DescAdd(desc_do_mn, stage_off), dq_mn = DescAdd(desc_q_mn, stage_off);
       FenceRegs(dv);
@@ -400,10 +402,10 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
         Wgmma<T, kWgCols>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
       WgmmaCommit();
       if constexpr (kDq) {
-        Wgmma<T, kWgCols>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
+        Wgmma<T, kDqCols>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
 #pragma unroll
         for (int kk = 1; kk < BN / 16; ++kk)
-          Wgmma<T, kWgCols>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+          Wgmma<T, kDqCols>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
         WgmmaCommit();
         WgmmaWait<1>();  // dV, dK have landed: the Q / dO stage is free (dQ reads K and dS^T only)
       } else {
@@ -417,14 +419,14 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       WgmmaWait<0>();
       FenceRegs(dq);
 #pragma unroll
-      for (int j = 0; j < kWgCols / 32; ++j) {
+      for (int j = 0; j < kDqCols / 32; ++j) {
         BulkWaitRead();  // the last reduce-add has read the buffer (only wtid 0 has bulk groups)
         NamedBarrierSync(3 + cw, 128);
         StoreDqBox32(dq_buf, wwarp, g, t, dq, j, bp.scale);
         FenceProxyAsyncShared();
         NamedBarrierSync(3 + cw, 128);  // the box is in dq_buf
         if (wtid == 0) {
-          TmaReduceAdd4d(&p.dq_map, dq_buf, 0, cw * (128 / 32) + j, head, rb);
+          TmaReduceAdd4d(&p.dq_map, dq_buf, 0, dq_col0 / 32 + j, head, rb);
           BulkCommit();
         }
         __syncwarp();
@@ -591,12 +593,15 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // Head dims 192 and 256: the split-D consumers. An early return rather than an else around the code
     // below: that code is instantiated for them too but never reached (and dropped), and the D 64 / 128
     // kernels compile from exactly the source they had (an else block changed their register allocation).
-    // The warpgroup's column count is a template argument (its wgmma N and accumulator sizes): at D 192 the
+    // The warpgroup's column counts are template arguments (wgmma N and accumulator sizes): at D 192 the
     // two warpgroups run different instantiations, a warp-uniform branch.
     constexpr int kCols0 = Tile::kSplitCols0, kCols1 = Tile::kSplitCols1;
+    constexpr int kDqCols0 = Tile::kSplitDqCols0, kDqCols1 = Tile::kSplitDqCols1;
     const int cw = wg - 1;
-    if (kCols0 == kCols1 || cw == 0) BwdSm90SplitDConsumer<T, D, kCols0, kDq, kSoftcap>(p, smem, tile_addr, cw);
-    else BwdSm90SplitDConsumer<T, D, kCols1, kDq, kSoftcap>(p, smem, tile_addr, cw);
+    if ((kCols0 == kCols1 && kDqCols0 == kDqCols1) || cw == 0)
+      BwdSm90SplitDConsumer<T, D, kCols0, kDqCols0, kDq, kSoftcap>(p, smem, tile_addr, cw);
+    else
+      BwdSm90SplitDConsumer<T, D, kCols1, kDqCols1, kDq, kSoftcap>(p, smem, tile_addr, cw);
     return;
   }
   constexpr int DT = D / 8;

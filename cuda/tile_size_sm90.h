@@ -149,14 +149,18 @@ struct FwdSm90Barriers {
 // Head dim 96: D 128's plan, the tiles' second chunk half filled (TMA's zeros past column 96, as the forward):
 // S^T and dP^T take six k16 steps, dV += P^T dO and dK += dS^T Q are wgmma N 96, dQ stays two N 64 halves
 // per warpgroup (its columns 96-127 are zeros, and the reduce-add stores nothing past column 96).
-// Head dim 192 (MLA's q / k): D 256's split on three chunks: warpgroup 0 holds columns [0, 128) of dK, dV
-// and dQ, warpgroup 1 [128, 192) (N 64; an N 96 half would start mid-chunk, which an MN-major operand's
-// 128-byte swizzle pattern cannot: cuda/NOTES.md). S^T and dP^T take twelve k16 steps in both.
+// Head dim 192 (MLA's q / k): D 256's split on three chunks: warpgroup 0 holds columns [0, 128) of dK and dV,
+// warpgroup 1 [128, 192) (N 64; an N 96 half would start mid-chunk, which an MN-major operand's 128-byte
+// swizzle pattern cannot: cuda/NOTES.md); dQ the other way round, warpgroup 0 columns [0, 64) and warpgroup 1
+// [64, 192), so that each computes 5 and 4 of the step's 64-column GEMM blocks (dV, dK, dQ), not 6 and 3.
+// S^T and dP^T take twelve k16 steps in both.
 template <int D>
 struct BwdSm90Tile {
   static constexpr bool kSplitD = D > 128;
-  // kSplitD: the columns of dK, dV and dQ that consumer warpgroups 0 and 1 hold, from columns 0 and 128.
+  // kSplitD: the columns of dK and dV that consumer warpgroups 0 and 1 hold, from columns 0 and 128, and those
+  // of dQ, from columns 0 and kSplitDqCols0.
   static constexpr int kSplitCols0 = 128, kSplitCols1 = D - 128;
+  static constexpr int kSplitDqCols0 = D == 192 ? 64 : 128, kSplitDqCols1 = D - kSplitDqCols0;
   static constexpr int kBlockN = kSplitD ? 64 : 128;  // keys per CTA (kKBlock / kBlockN CTAs per slice list)
   static constexpr int kBlockM = 64;   // q rows per step
   static constexpr int kStages = 2;
