@@ -363,11 +363,16 @@ TWO_CALL_MASK = AttnMask([[0, 40], [10, 70], [50, 90], [10, 90]], [[0, 60], [60,
                          [1, 0, 3, 0], 100, 120)
 
 
-def test_forward_merged_into_a_previous_call_equals_one_call():
+@pytest.mark.parametrize("dv", [64, 40])
+def test_forward_merged_into_a_previous_call_equals_one_call(dv):
     # The distributed forward's stage calls: each merges its slices' part into the out and lse so far, in
-    # place. Rows without keys in either call: 0 / -inf, no NaN.
-    q, k, v = random_qkv(np.random.default_rng(4), 100, 120, 4, 2, 64)
+    # place (v, out and prev of their own head dim too: the custom call's forward takes any on the CPU). Rows
+    # without keys in either call: 0 / -inf, no NaN.
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 100, 120, 4, 2, 64)
+    v = v[..., :dv]
     one, two = merged_forward(TWO_CALL_MASK, q, k, v, cut=2)
+    assert one[0].shape == (100, 4, dv)
     for name, a, b in zip(["out", "lse"], one, two):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5, err_msg=name)
     assert np.all(two[1][90:] == -np.inf) and np.all(two[0][90:] == 0)
@@ -383,6 +388,8 @@ def test_forward_with_k_and_v_packed_equals_separate_ones():
     qr, kr, t = (jnp.asarray(a) for a in TWO_CALL_MASK.kernel_args())
     with pytest.raises(ValueError, match="^k: packed K and V must be"):
         ffa._fwd_call(q, k, None, qr, kr, t, 0.125, 0.0)
+    with pytest.raises(Exception, match="v: must be \\[Tk, Hkv, Dv\\] with k's tokens"):
+        jax.block_until_ready(ffa._fwd_call(q, k, v[:-1], qr, kr, t, 0.125, 0.0))
 
 
 def test_forward_prev_argument_errors():
