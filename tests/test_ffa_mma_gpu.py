@@ -13,8 +13,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _mma_sync_kernels(request, monkeypatch):
-    # By the test's head dim, not by "256" anywhere in its id (that skipped D 128 cases of 256 keys too).
+    # By the test's head dim, not by "256" anywhere in its id (that skipped D 128 cases of 256 keys too); the
+    # MLA tests are D 192's.
     callspec = getattr(request.node, "callspec", None)
-    if "head_dim_256" in request.node.name or (callspec is not None and callspec.params.get("d") in (192, 256)):
+    name = request.node.name
+    if "head_dim_256" in name or "mla" in name or (callspec is not None and callspec.params.get("d") in (192, 256)):
         pytest.skip("head dims 192 and 256 have only the sm90 kernels (tests/test_ffa_gpu.py runs them)")
     monkeypatch.setenv("MAGI_JAX_FFA_KERNEL", "mma")
