@@ -37,7 +37,7 @@ constexpr int kSetMaxNRegPool(int threads) { return 65536 / threads / 8 * 8 * th
 // V tiles of Dv columns (2 stages x 20 KB), O 64 registers, O += P V at N Dv; the room this leaves takes an
 // output staging buffer of its own (32 KB: Q 48 + K 60 + V 40 + O 32 KB), so that the intra-warpgroup overlap
 // runs (O 64 + S 40 + P 20 registers), with the one Q buffer released after each tile's last S (the next
-// tile's Q load waits for it). Measured +2.7% forward against O staged in Q without the overlap (NOTES.md,
+// tile's Q load waits for it). Measured +3-7% forward against O staged in Q without the overlap (NOTES.md,
 // thirty-ninth session); the softcap instantiation spills 8 bytes.
 template <int D, int Dv = D>
 struct FwdSm90Tile {
