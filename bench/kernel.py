@@ -47,6 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
 from magi_jax import masks  # noqa: E402
+from magi_jax.ffa import pad_last_axis  # noqa: E402
 from magi_jax.mask import AttnMask  # noqa: E402
 
 H, D = 16, 128
@@ -170,9 +171,9 @@ def ffa_padded(mask: AttnMask, kernel_dim: int, kernel_dim_v: int | None = None)
     qr, kr, types_ = mask.kernel_args()
 
     def fn(q, k, v):
-        pad = lambda x, n: jnp.pad(x[0], [(0, 0)] * 2 + [(0, n - x.shape[-1])])
-        out = mj.flex_flash_attn(pad(q, kernel_dim), pad(k, kernel_dim), pad(v, kernel_dim_v or kernel_dim), qr, kr,
-                                 types_, softmax_scale=q.shape[-1] ** -0.5)[0]
+        out = mj.flex_flash_attn(pad_last_axis(q[0], kernel_dim), pad_last_axis(k[0], kernel_dim),
+                                 pad_last_axis(v[0], kernel_dim_v or kernel_dim), qr, kr, types_,
+                                 softmax_scale=q.shape[-1] ** -0.5)[0]
         return out[None, ..., :v.shape[-1]]
     return fn
 
@@ -193,8 +194,7 @@ def cudnn_dense_causal(q, k, v):
 def cudnn_dense_causal_v_padded(q, k, v):
     """cuDNN through jax.nn, which takes v at q's head dim: v zero-padded to it, out sliced back (MLA's shapes as a
     JAX user runs them there)."""
-    pad = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - v.shape[-1])])
-    return cudnn_dense_causal(q, k, pad)[..., :v.shape[-1]]
+    return cudnn_dense_causal(q, k, pad_last_axis(v, q.shape[-1]))[..., :v.shape[-1]]
 
 
 def jax_nn_batched(batch: int) -> Callable:

@@ -513,8 +513,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
 
     q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]: this rank's local buffers (L = plan.local_len), or with one
     leading batch dim [B, L, ...] (every batch element has the plan's mask). Head dims as flex_flash_attn's
-    (others zero-padded to the kernels' next before the collectives; v to q's: K and V travel packed). Returns out [.., L, Hq, Dv] in q's dtype and
-    lse [.., L, Hq] float32. Options: ``transport`` of the group collectives ("auto", "all_to_all",
+    (padded before the collectives, v to q's: K and V travel packed). Returns out [.., L, Hq, Dv] in q's
+    dtype and lse [.., L, Hq] float32. Options: ``transport`` of the group collectives ("auto", "all_to_all",
     "ppermute"); ``reduce_wire_dtype``: dtype of dK/dV partials on the wire in the backward (default: the
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "staged" (default: one FFA
     backward call per stage and the local keys' call last, each stage's partials travelling back under the
