@@ -280,16 +280,19 @@ MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const fl
     }
 }
 
-template <typename T, int D, int kWgCols, int kDqCols, bool kDq, bool kSoftcap>
+// kWgCols, kWgVCols, kDqCols: the warpgroup's columns of dK, dV (0: none, warpgroup 1 where Dv < D) and dQ.
+template <typename T, int D, int Dv, int kWgCols, int kWgVCols, int kDqCols, bool kDq, bool kSoftcap>
 MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
-  using Tile = BwdSm90Tile<D>;
+  using Tile = BwdSm90Tile<D, Dv>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
   constexpr int kHalfM = BM / 2, DT = kWgCols / 8, NT = kHalfM / 8;
+  constexpr int VT = kWgVCols > 0 ? kWgVCols / 8 : 1;  // dV's column groups (one unused where it holds none)
   const int dq_col0 = cw * Tile::kSplitDqCols0;  // the warpgroup's first dQ column
   static_assert(NT % 2 == 0, "P^T and dS^T leave by 16 columns (StMatrixX4)");
   static_assert(BN == 64 && BM == 64 && (D == 192 || D == 256),
                 "the split-D consumer is written for 64 keys, 64 rows, D 192 or 256");
-  static_assert(kWgCols % 64 == 0 && kWgCols <= 128 && kDqCols % 64 == 0 && kDqCols <= 128,
+  static_assert(kWgCols % 64 == 0 && kWgCols <= 128 && kWgVCols % 64 == 0 && kWgVCols <= 128 &&
+                    kDqCols % 64 == 0 && kDqCols <= 128,
                 "a warpgroup's columns are whole chunks, N <= 128");
   static_assert(Tile::kDqBoxCols == 32, "dQ leaves in boxes of 32 columns");
   using Region = BwdSm90Region<kStages>;
@@ -323,11 +326,15 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   const uint64_t desc_ds_mn = SmemDesc128B(sds, 64 * 128);
   const uint64_t desc_k_mn = SmemDesc128B(sk + dq_col0 / 64 * (BN * 128), BN * 128);
 
-  float dk[DT][4], dv[DT][4];
+  float dk[DT][4], dv[VT][4];
 #pragma unroll
   for (int di = 0; di < DT; ++di)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[di][e] = dv[di][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) dk[di][e] = 0.0f;
+#pragma unroll
+  for (int di = 0; di < VT; ++di)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dv[di][e] = 0.0f;
 
   MbarWait(&bars.kv_full, 0);
   PipeState<kStages> ps;
@@ -345,13 +352,13 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       flags = __shfl_sync(0xffffffffu, int(f), 0);  // uniform: the wgmmas below must not look divergent
     }
     if (flags & kStepEnd) break;
-    const uint32_t stage_off = ps.stage * Tile::kRowBytes;
+    const uint32_t stage_off = ps.stage * Tile::kRowBytes, do_stage_off = ps.stage * Tile::kDoRowBytes;
     float s[1][NT][4], dp[1][NT][4];
     {
-      const uint64_t dq_k = DescAdd(desc_q_k, stage_off), ddo_k = DescAdd(desc_do_k, stage_off);
+      const uint64_t dq_k = DescAdd(desc_q_k, stage_off), ddo_k = DescAdd(desc_do_k, do_stage_off);
       WgmmaFence();
       IssueKMajorSS<T, kHalfM, D, BN, BM>(s[0], desc_k, dq_k);
-      IssueKMajorSS<T, kHalfM, D, BN, BM>(dp[0], desc_v, ddo_k);
+      IssueKMajorSS<T, kHalfM, Dv, BN, BM>(dp[0], desc_v, ddo_k);  // dP^T over v's head dim
     }
     const int row0 = cw * kHalfM;  // the warpgroup's first row of the step's 64
     const float* lse_s = slse + ps.stage * BM + row0;
@@ -390,13 +397,15 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     NamedBarrierSync(1, Tile::kConsumerThreads);  // both warpgroups' rows of P^T, dS^T are in place
     float dq[kDqCols / 8][4];
     {
-      const uint64_t ddo_mn = DescAdd(desc_do_mn, stage_off), dq_mn = DescAdd(desc_q_mn, stage_off);
+      const uint64_t ddo_mn = DescAdd(desc_do_mn, do_stage_off), dq_mn = DescAdd(desc_q_mn, stage_off);
       FenceRegs(dv);
       FenceRegs(dk);
       WgmmaFence();
+      if constexpr (kWgVCols > 0) {
 #pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<T, kWgCols>::template SS<0, 1>(dv, DescAdd(desc_p, kk * 32), DescAdd(ddo_mn, kk * 2048), 1);
+        for (int kk = 0; kk < BM / 16; ++kk)
+          Wgmma<T, kWgVCols>::template SS<0, 1>(dv, DescAdd(desc_p, kk * 32), DescAdd(ddo_mn, kk * 2048), 1);
+      }
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
         Wgmma<T, kWgCols>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
@@ -441,14 +450,18 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   NamedBarrierSync(2, Tile::kConsumerThreads);
   unsigned char* stage_k = sq;
   unsigned char* stage_v = sdo;
-#pragma unroll
-  for (int di = 0; di < DT; ++di) {
+  // Thread (g, t) of warp w: rows 16 w + g (+ 8), columns 8 di + 2 t (+ 1) of the warpgroup's chunks from 2 cw.
+  auto stage = [&](unsigned char* buf, int di, const float (&c)[4], float scale) {
     const int col = di * 8 + 2 * t, chunk = 2 * cw + col / 64, r = wwarp * 16 + g;
     const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
-    *reinterpret_cast<uint32_t*>(stage_k + o0) = Elem<T>::Pack(dk[di][0] * bp.scale, dk[di][1] * bp.scale);
-    *reinterpret_cast<uint32_t*>(stage_k + o1) = Elem<T>::Pack(dk[di][2] * bp.scale, dk[di][3] * bp.scale);
-    *reinterpret_cast<uint32_t*>(stage_v + o0) = Elem<T>::Pack(dv[di][0], dv[di][1]);
-    *reinterpret_cast<uint32_t*>(stage_v + o1) = Elem<T>::Pack(dv[di][2], dv[di][3]);
+    *reinterpret_cast<uint32_t*>(buf + o0) = Elem<T>::Pack(c[0] * scale, c[1] * scale);
+    *reinterpret_cast<uint32_t*>(buf + o1) = Elem<T>::Pack(c[2] * scale, c[3] * scale);
+  };
+#pragma unroll
+  for (int di = 0; di < DT; ++di) stage(stage_k, di, dk[di], bp.scale);
+  if constexpr (kWgVCols > 0) {
+#pragma unroll
+    for (int di = 0; di < VT; ++di) stage(stage_v, di, dv[di], 1.0f);
   }
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
@@ -456,10 +469,9 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 1);
     const KeySource src = CtaKeySource(p, int64_t(kb) * BN);
 #pragma unroll
-    for (int c = 2 * cw; c < 2 * cw + kWgCols / 64; ++c) {
-      TmaStore3d(src.dk, stage_k + c * (BN * 128), 64 * c, hk, src.row);
-      TmaStore3d(src.dv, stage_v + c * (BN * 128), 64 * c, hk, src.row);
-    }
+    for (int c = 2 * cw; c < 2 * cw + kWgCols / 64; ++c) TmaStore3d(src.dk, stage_k + c * (BN * 128), 64 * c, hk, src.row);
+#pragma unroll
+    for (int c = 2 * cw; c < 2 * cw + kWgVCols / 64; ++c) TmaStore3d(src.dv, stage_v + c * (BN * 128), 64 * c, hk, src.row);
     BulkCommit();
     // Until the stores (and this thread's dQ reduce-adds) have read shared memory, not until they have
     // landed: the grid's end makes them visible to the next kernel (the dq convert), as CUTLASS's epilogues
@@ -470,10 +482,11 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
 
 // kSoftcap: the launcher picks the instantiation (p.base.softcap > 0), as for the forward: the softcap path's
 // tanhf sequences out of the kernels that do not need them. kGqaSplit: a CTA per (k block, q head), see above.
-template <typename T, int D, bool kDq, bool kSoftcap, bool kGqaSplit = false>
-__global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
+// Dv: v's head dim (BwdSm90Tile).
+template <typename T, int D, bool kDq, bool kSoftcap, bool kGqaSplit = false, int Dv = D>
+__global__ void __launch_bounds__(BwdSm90Tile<D, Dv>::kThreads, 1)
     FlashBwdSm90Kernel(const __grid_constant__ BwdSm90Params p) {
-  using Tile = BwdSm90Tile<D>;
+  using Tile = BwdSm90Tile<D, Dv>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages, kChunks = Tile::kChunks;
   constexpr int WK = Tile::kKeysPerWarpgroup;
   using Region = BwdSm90Region<kStages>;
@@ -527,11 +540,11 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
       PrefetchTensorMap(&p.q_map);
       PrefetchTensorMap(&p.do_map);
       const KeySource src = CtaKeySource(p, c0);
-      MbarArriveExpectTx(&bars.kv_full, 2 * Tile::kKvBytes);
+      MbarArriveExpectTx(&bars.kv_full, Tile::kKvBytes + Tile::kVBytes);
 #pragma unroll
       for (int c = 0; c < kChunks; ++c) {
         TmaLoad3d(sk + c * (BN * 128), src.k, &bars.kv_full, 64 * c, hk, src.row);
-        TmaLoad3d(sv + c * (BN * 128), src.v, &bars.kv_full, 64 * c, hk, src.row);
+        if (c < Tile::kVChunks) TmaLoad3d(sv + c * (BN * 128), src.v, &bars.kv_full, 64 * c, hk, src.row);
       }
     }
     const int tq = args.tq, hq = bp.hq;
@@ -545,13 +558,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
         MbarWait(&bars.row_empty[ps.stage], ps.phase ^ 1);
         // Q and dO first: their transfer overlaps the lse / delta loads below (one float per row, stride Hq,
         // a memory latency per step); lane 0's arrival after those stores completes the phase.
-        MbarExpectTx(&bars.row_full[ps.stage], 2 * Tile::kRowBytes);
+        MbarExpectTx(&bars.row_full[ps.stage], Tile::kRowBytes + Tile::kDoRowBytes);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
           TmaLoad3d(sq + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.q_map, &bars.row_full[ps.stage], 64 * c, h,
                     int(st.rb));
-          TmaLoad3d(sdo + ps.stage * Tile::kRowBytes + c * (BM * 128), &p.do_map, &bars.row_full[ps.stage], 64 * c,
-                    h, int(st.rb));
+          if (c < Tile::kVChunks)
+            TmaLoad3d(sdo + ps.stage * Tile::kDoRowBytes + c * (BM * 128), &p.do_map, &bars.row_full[ps.stage],
+                      64 * c, h, int(st.rb));
         }
       }
       __syncwarp();
@@ -596,12 +610,13 @@ __global__ void __launch_bounds__(BwdSm90Tile<D>::kThreads, 1)
     // The warpgroup's column counts are template arguments (wgmma N and accumulator sizes): at D 192 the
     // two warpgroups run different instantiations, a warp-uniform branch.
     constexpr int kCols0 = Tile::kSplitCols0, kCols1 = Tile::kSplitCols1;
+    constexpr int kVCols0 = Tile::kSplitVCols0, kVCols1 = Tile::kSplitVCols1;
     constexpr int kDqCols0 = Tile::kSplitDqCols0, kDqCols1 = Tile::kSplitDqCols1;
     const int cw = wg - 1;
-    if ((kCols0 == kCols1 && kDqCols0 == kDqCols1) || cw == 0)
-      BwdSm90SplitDConsumer<T, D, kCols0, kDqCols0, kDq, kSoftcap>(p, smem, tile_addr, cw);
+    if ((kCols0 == kCols1 && kVCols0 == kVCols1 && kDqCols0 == kDqCols1) || cw == 0)
+      BwdSm90SplitDConsumer<T, D, Dv, kCols0, kVCols0, kDqCols0, kDq, kSoftcap>(p, smem, tile_addr, cw);
     else
-      BwdSm90SplitDConsumer<T, D, kCols1, kDqCols1, kDq, kSoftcap>(p, smem, tile_addr, cw);
+      BwdSm90SplitDConsumer<T, D, Dv, kCols1, kVCols1, kDqCols1, kDq, kSoftcap>(p, smem, tile_addr, cw);
     return;
   }
   constexpr int DT = D / 8;

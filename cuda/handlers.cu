@@ -264,10 +264,10 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                       ffi::Result<ffi::AnyBuffer> dq,
                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                       ffi::Result<ffi::AnyBuffer> dk2, ffi::Result<ffi::AnyBuffer> dv2) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, /*kv_packed=*/false, /*v_head_dim_apart=*/true);
   if (dims.has_error()) return dims.error();
-  for (auto [name, buf] : {std::pair{"out", &out}, {"dout", &dout}})
-    if (auto err = CheckSameShape(name, *buf, q); err.failure()) return err;
+  if (auto err = CheckForwardOut(out, q, dims->dv); err.failure()) return err;
+  if (auto err = CheckSameShape("dout", dout, out); err.failure()) return err;
   auto has_dq_in = CheckDqChain(q, dq_in, *dq, dq_f32, deterministic);
   if (has_dq_in.has_error()) return has_dq_in.error();
   auto has_delta = CheckDeltaIn(q, delta_in);
@@ -276,6 +276,12 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
   auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2, kv2_packed);
   if (tk2.has_error()) return tk2.error();
+  // v of its own head dim: MLA's 192 / 128 on the sm90 kernel (BwdSm90Tile's Dv), one key source.
+  const bool v_apart = dims->dv != dims->d;
+  if (v_apart && (!(dims->d == 192 && dims->dv == 128) || *tk2 > 0))
+    return ffi::Error::InvalidArgument("v: head_dim " + std::to_string(dims->dv) + " differs from q's " +
+                                       std::to_string(dims->d) + "; the CUDA backward takes v at q's head dim, or "
+                                       "192 with 128 and no second key source");
   const int64_t tk1 = dims->tk;
   dims->tk += *tk2;  // the kernels' key space: concat(k, k2)
   if (auto err = CheckSizes(*dims); err.failure()) return err;
@@ -392,7 +398,8 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     const cudaError_t delta_err =
         *has_delta ? cudaMemcpyAsync(p.delta, delta_in.untyped_data(), size_t(rows) * 4, cudaMemcpyDeviceToDevice,
                                      stream)
-                   : LaunchBwdDelta<T, D>(p, stream);
+                   : v_apart ? LaunchBwdDelta<T, 128>(p, stream)  // rowsum(dout * out) over v's 128
+                             : LaunchBwdDelta<T, D>(p, stream);
     if (delta_err != cudaSuccess) return CudaFailure("delta", delta_err);
     // The GQA split's accumulators: zeroed here, before whichever launch of the sm90 kernel below takes them,
     // and after it converted into dk, dv (the sole source's gradients).
@@ -450,9 +457,15 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         if (dims->tq == 0) {
           const size_t kv_bytes = size_t(dims->tk) * row_bytes;
           if (cudaError_t e = cudaMemsetAsync(p.dk, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dk", e);
-          if (cudaError_t e = cudaMemsetAsync(p.dv, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dv", e);
+          if (cudaError_t e = cudaMemsetAsync(p.dv, 0, kv_bytes / D * dims->dv, stream); e != cudaSuccess)
+            return CudaFailure("dv", e);
         } else {
-          const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream);
+          cudaError_t err = cudaErrorNotSupported;
+          if constexpr (D == 192)
+            err = v_apart ? LaunchBwdDkDvSm90<T, 192, 128>(p, /*reduce_dq=*/true, sm90_order, stream)
+                          : LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream);
+          else
+            err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream);
           if (err == cudaErrorNotSupported)
             return ffi::Error::InvalidArgument(
                 "q: head_dim " + std::to_string(D) + " runs on the sm90 (TMA) backward only, which needs q, k, v, "

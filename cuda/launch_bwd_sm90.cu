@@ -147,10 +147,10 @@ cudaError_t BwdSm90GqaSplit(int d, int elem_bytes, int64_t tq, int64_t tk, int64
   return cudaSuccess;
 }
 
-template <typename T, int D>
+template <typename T, int D, int Dv>
 cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scratch, cudaStream_t stream,
                               const KeySplit& split) {
-  using Tile = BwdSm90Tile<D>;
+  using Tile = BwdSm90Tile<D, Dv>;
   const int num_blocks = NumBlocks(p.slices.tk, Tile::kBlockN);
   if (num_blocks == 0 || p.hkv == 0) return cudaSuccess;
   // What TMA needs; anything else is left to the mma.sync kernel (nothing has been enqueued yet).
@@ -160,20 +160,22 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   if (encode == nullptr || p.slices.tq == 0 || !Aligned16(p.q) || !Aligned16(p.dout) ||
       (first && (!Aligned16(p.k) || !Aligned16(p.v) || !Aligned16(p.dk) || !Aligned16(p.dv))))
     return cudaErrorNotSupported;
+  // v of its own head dim: one key source, dQ by reduce-adds, no GQA split (the handler refuses the rest).
+  if (Dv != D && (two || !reduce_dq || p.dk_accum != nullptr)) return cudaErrorInvalidValue;
   if (two && (split.row % Tile::kBlockN != 0 || split.row > p.slices.tk || !Aligned16(split.k2) ||
               !Aligned16(split.v2) || !Aligned16(split.dk2) || !Aligned16(split.dv2)))
     return cudaErrorNotSupported;
   BwdSm90Params sp{};
   const int tq = p.slices.tq, tk = two ? int(split.row) : p.slices.tk, tk2 = p.slices.tk - tk;
   if (!EncodeMap<T>(encode, &sp.q_map, p.q, tq, p.hq, D, Tile::kBlockM) ||
-      !EncodeMap<T>(encode, &sp.do_map, p.dout, tq, p.hq, D, Tile::kBlockM))
+      !EncodeMap<T>(encode, &sp.do_map, p.dout, tq, p.hq, Dv, Tile::kBlockM))
     return cudaErrorNotSupported;
   // The first source's maps; none when every key is the second source's (a staged distributed backward's
   // stage call: no CTA reads them).
   if (first && (!EncodeMap<T>(encode, &sp.k_map, p.k, tk, p.hkv, D, Tile::kBlockN) ||
-                 !EncodeMap<T>(encode, &sp.v_map, p.v, tk, p.hkv, D, Tile::kBlockN) ||
+                 !EncodeMap<T>(encode, &sp.v_map, p.v, tk, p.hkv, Dv, Tile::kBlockN) ||
                  !EncodeMap<T>(encode, &sp.dk_map, p.dk, tk, p.hkv, D, Tile::kKeysPerWarpgroup) ||
-                 !EncodeMap<T>(encode, &sp.dv_map, p.dv, tk, p.hkv, D, Tile::kKeysPerWarpgroup)))
+                 !EncodeMap<T>(encode, &sp.dv_map, p.dv, tk, p.hkv, Dv, Tile::kKeysPerWarpgroup)))
     return cudaErrorNotSupported;
   sp.split_row = INT_MAX;
   if (two && tk2 > 0) {
@@ -210,9 +212,11 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   // MAGI_JAX_SM90_BWD_STAGGER=0: both consumer warpgroups start their walk together.
   sp.stagger = EnvEquals("MAGI_JAX_SM90_BWD_STAGGER", "0") ? 0 : 1;
   const bool softcap = p.softcap > 0.0f;
-  auto kernel = reduce_dq ? (softcap ? FlashBwdSm90Kernel<T, D, true, true> : FlashBwdSm90Kernel<T, D, true, false>)
-                          : (softcap ? FlashBwdSm90Kernel<T, D, false, true> : FlashBwdSm90Kernel<T, D, false, false>);
-  if constexpr (D == 128)  // BwdSm90GqaSplit: D 128 with reduce_dq only
+  auto kernel = reduce_dq ? (softcap ? FlashBwdSm90Kernel<T, D, true, true, false, Dv>
+                                     : FlashBwdSm90Kernel<T, D, true, false, false, Dv>)
+                          : (softcap ? FlashBwdSm90Kernel<T, D, false, true, false, Dv>
+                                     : FlashBwdSm90Kernel<T, D, false, false, false, Dv>);
+  if constexpr (D == 128 && Dv == D)  // BwdSm90GqaSplit: D 128 with reduce_dq only
     if (gqa)
       kernel = softcap ? FlashBwdSm90Kernel<T, D, true, true, true> : FlashBwdSm90Kernel<T, D, true, false, true>;
   // The tiles' heads: kv heads, each CTA walking its group's q heads; the GQA split: q heads, one each.
@@ -230,8 +234,8 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
                       sp.tiles != nullptr ? Follows::kOurKernel : Follows::kAnything, sp);
 }
 
-#define MAGI_INSTANTIATE_BWD_SM90(T, D) \
-  template cudaError_t LaunchBwdDkDvSm90<T, D>(const BwdParams&, bool, int32_t*, cudaStream_t, const KeySplit&);
+#define MAGI_INSTANTIATE_BWD_SM90(T, D, ...) \
+  template cudaError_t LaunchBwdDkDvSm90<T, D, ##__VA_ARGS__>(const BwdParams&, bool, int32_t*, cudaStream_t, const KeySplit&);
 MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 64)
 MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 128)
 MAGI_INSTANTIATE_BWD_SM90(__half, 64)
@@ -241,6 +245,8 @@ MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 96)
 MAGI_INSTANTIATE_BWD_SM90(__half, 96)
 MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 192)
 MAGI_INSTANTIATE_BWD_SM90(__half, 192)
+MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 192, 128)  // MLA: v of 128
+MAGI_INSTANTIATE_BWD_SM90(__half, 192, 128)
 MAGI_INSTANTIATE_BWD_SM90(__nv_bfloat16, 256)
 MAGI_INSTANTIATE_BWD_SM90(__half, 256)
 

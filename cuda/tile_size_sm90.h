@@ -154,12 +154,16 @@ struct FwdSm90Barriers {
 // swizzle pattern cannot: cuda/NOTES.md); dQ the other way round, warpgroup 0 columns [0, 64) and warpgroup 1
 // [64, 192), so that each computes 5 and 4 of the step's 64-column GEMM blocks (dV, dK, dQ), not 6 and 3.
 // S^T and dP^T take twelve k16 steps in both.
-template <int D>
+// Dv, v's head dim where it differs from D (MLA's 192 / 128): V and the dO stages at Dv columns, dP^T over Dv
+// (eight k16 steps), dV's Dv columns all in warpgroup 0 (kSplitVCols1 0: warpgroup 1 holds dK [128, 192) and
+// dQ [64, 192) alone, 3 of the step's blocks against warpgroup 0's 5: dK 2, dV 2, dQ 1).
+template <int D, int Dv = D>
 struct BwdSm90Tile {
   static constexpr bool kSplitD = D > 128;
   // kSplitD: the columns of dK and dV that consumer warpgroups 0 and 1 hold, from columns 0 and 128, and those
   // of dQ, from columns 0 and kSplitDqCols0.
   static constexpr int kSplitCols0 = 128, kSplitCols1 = D - 128;
+  static constexpr int kSplitVCols0 = Dv < 128 ? Dv : 128, kSplitVCols1 = Dv - kSplitVCols0;
   static constexpr int kSplitDqCols0 = D == 192 ? 64 : 128, kSplitDqCols1 = D - kSplitDqCols0;
   static constexpr int kBlockN = kSplitD ? 64 : 128;  // keys per CTA (kKBlock / kBlockN CTAs per slice list)
   static constexpr int kBlockM = 64;   // q rows per step
@@ -171,12 +175,16 @@ struct BwdSm90Tile {
   static constexpr int kKeysPerWarpgroup = kSplitD ? kBlockN : kBlockN / kConsumerWarpgroups;
   static constexpr int kChunks = (D + 63) / 64;
   static constexpr int kCols = kChunks * 64;  // a tile row in shared memory (D 96: as the forward's, zero-filled)
+  static constexpr int kVChunks = (Dv + 63) / 64;  // V's and dO's, as kChunks
+  static constexpr int kVCols = kVChunks * 64;
   // setmaxnreg: 128 x 40 + 256 x 232 = 64512 registers, the CTA's pool (168 per thread at launch).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
 
-  static constexpr uint32_t kKvBytes = kBlockN * kCols * 2;   // K or V, [kChunks][kBlockN][64]
-  static constexpr uint32_t kRowBytes = kBlockM * kCols * 2;  // one Q or dO stage, [kChunks][kBlockM][64]
+  static constexpr uint32_t kKvBytes = kBlockN * kCols * 2;     // K, [kChunks][kBlockN][64] (and V where Dv = D)
+  static constexpr uint32_t kVBytes = kBlockN * kVCols * 2;     // V, [kVChunks][kBlockN][64]
+  static constexpr uint32_t kRowBytes = kBlockM * kCols * 2;    // one Q stage, [kChunks][kBlockM][64]
+  static constexpr uint32_t kDoRowBytes = kBlockM * kVCols * 2; // one dO stage, [kVChunks][kBlockM][64]
   // dS^T [kBlockN keys][kBlockM rows], swizzled. Three (kSplitD: two, P^T then dS^T): a warpgroup's dQ(i)
   // is issued one step late, beside dK / dV(i + 1), and the other warpgroup may still read dS^T(i) when
   // this one writes dS^T(i + 2) (flash_bwd_sm90_kernel.h, the consumer loop).
@@ -184,9 +192,9 @@ struct BwdSm90Tile {
   static constexpr int kDsBuffers = kSplitD ? 2 : 3;
   static constexpr uint32_t kKOffset = 0;
   static constexpr uint32_t kVOffset = kKOffset + kKvBytes;
-  static constexpr uint32_t kQOffset = kVOffset + kKvBytes;
+  static constexpr uint32_t kQOffset = kVOffset + kVBytes;
   static constexpr uint32_t kDoOffset = kQOffset + kStages * kRowBytes;
-  static constexpr uint32_t kLseOffset = kDoOffset + kStages * kRowBytes;  // float [kStages][kBlockM] lse (log2)
+  static constexpr uint32_t kLseOffset = kDoOffset + kStages * kDoRowBytes;  // float [kStages][kBlockM] lse (log2)
   static constexpr uint32_t kDeltaOffset = kLseOffset + kStages * kBlockM * 4;
   static constexpr uint32_t kDsOffset = kLseOffset + 1024;  // [kDsBuffers] dS^T buffers
   // dQ staging, one per consumer warpgroup: its 64 rows x 64 columns of fp32 dQ as the box of the dq_accum
@@ -203,7 +211,9 @@ struct BwdSm90Tile {
   static_assert(kKBlock % kBlockN == 0, "the dk/dv kernels share the k-block slice lists");
   static_assert(2 * kStages * kBlockM * 4 <= 1024, "lse / delta region");
   static_assert(kDsOffset % 1024 == 0 && kDqOffset % 1024 == 0, "swizzle atoms are 1024-byte aligned");
-  static_assert(kStages * kRowBytes >= kKvBytes, "dK / dV are staged in the Q / dO rings for the TMA store");
+  static_assert(kStages * kRowBytes >= kKvBytes && kStages * kDoRowBytes >= kVBytes,
+                "dK / dV are staged in the Q / dO rings for the TMA store");
+  static_assert(Dv == D || (kSplitD && Dv % 64 == 0 && Dv <= 128), "a smaller v: the split-D plan, whole chunks");
   static_assert(kSmemBytes <= 227 * 1024, "fits one CTA per SM");
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kSetMaxNRegPool(kThreads),
                 "setmaxnreg.inc waits forever for registers beyond the CTA's pool");

@@ -224,7 +224,7 @@ template <typename T, typename TDq>
 void Backward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, const T* v, const T* out,
               const T* dout, const float* lse, const float* dlse, const float* dq_in, const float* delta_in, TDq* dq,
               T* dk, T* dv) {
-  [[maybe_unused]] const auto& [tq, tk, hq, hkv, d, n, d_v] = p.dims;  // d_v = d: v as k in the backward
+  const auto& [tq, tk, hq, hkv, d, n, dv_dim] = p.dims;  // v, dv, out, dout: rows of dv_dim
   const int64_t group = hq / hkv;
   // delta = rowsum(dout * out) - dlse: the softmax-gradient correction of every (row, head); lse's own
   // cotangent enters here because d lse / d logit = P.
@@ -235,8 +235,8 @@ void Backward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, co
     ParallelFor(pool, hq, [&](int64_t h, int) {
       for (int64_t r = 0; r < tq; ++r) {
         double acc = 0.0;
-        for (int64_t j = 0; j < d; ++j)
-          acc += double(ToFloat(dout[(r * hq + h) * d + j])) * ToFloat(out[(r * hq + h) * d + j]);
+        for (int64_t j = 0; j < dv_dim; ++j)
+          acc += double(ToFloat(dout[(r * hq + h) * dv_dim + j])) * ToFloat(out[(r * hq + h) * dv_dim + j]);
         delta[r * hq + h] = float(acc - dlse[r * hq + h]);
       }
     });
@@ -251,7 +251,7 @@ void Backward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, co
   // dq: one task per (q block, q head).
   BlockLists qlists = QBlockLists(p);
   const int64_t nqb = (tq + kBlockQ - 1) / kBlockQ;
-  std::vector<Scratch> scratch(NumWorkers(pool, nqb * hq), Scratch(d));
+  std::vector<Scratch> scratch(NumWorkers(pool, nqb * hq), Scratch(std::max(d, dv_dim)));
   ParallelFor(pool, nqb * hq, [&](int64_t task, int worker) {
     Scratch& w = scratch[worker];
     const int64_t qb = task / hq, h = task % hq, r0 = qb * kBlockQ, r1 = std::min(tq, r0 + kBlockQ);
@@ -263,15 +263,15 @@ void Backward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, co
       KeySpan(s, rb, re, &kb, &ke);
       if (kb >= ke) continue;
       LoadRows(q, hq, d, h, rb, re, w.q.data());
-      LoadRows(dout, hq, d, h, rb, re, w.dout.data());
+      LoadRows(dout, hq, dv_dim, h, rb, re, w.dout.data());
       row_stats(w, h, rb, re);
       for (int64_t c0 = kb; c0 < ke; c0 += kBlockK) {
         const int64_t nc = std::min(ke, c0 + kBlockK) - c0;
         LoadRowsTransposed(k, hkv, d, h / group, c0, c0 + nc, w.kt.data());
         LoadRows(k, hkv, d, h / group, c0, c0 + nc, w.k.data());
-        LoadRowsTransposed(v, hkv, d, h / group, c0, c0 + nc, w.vt.data());
+        LoadRowsTransposed(v, hkv, dv_dim, h / group, c0, c0 + nc, w.vt.data());
         MatMul(w.q.data(), w.kt.data(), w.s.data(), int(mr), int(d), int(nc), false);
-        MatMul(w.dout.data(), w.vt.data(), w.dp.data(), int(mr), int(d), int(nc), false);
+        MatMul(w.dout.data(), w.vt.data(), w.dp.data(), int(mr), int(dv_dim), int(nc), false);
         TileGradients(p, s, rb, mr, c0, nc, w.lse.data(), w.delta.data(), w.s.data(), w.dp.data());
         MatMul(w.dp.data(), w.k.data(), w.tile.data(), int(mr), int(nc), int(d), false);
         AddTile(w.tile.data(), w.acc.data() + (rb - r0) * d, mr * d);
@@ -288,12 +288,12 @@ void Backward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, co
   // of dk and dv. Tiles are rows x keys as in the forward; P and dS are transposed to accumulate.
   BlockLists klists = KBlockLists(p);
   const int64_t nkb = (tk + kBlockK - 1) / kBlockK;
-  std::vector<Scratch> kscratch(NumWorkers(pool, nkb * hkv), Scratch(d));
+  std::vector<Scratch> kscratch(NumWorkers(pool, nkb * hkv), Scratch(std::max(d, dv_dim)));
   ParallelFor(pool, nkb * hkv, [&](int64_t task, int worker) {
     Scratch& w = kscratch[worker];
     const int64_t kblk = task / hkv, hk = task % hkv, c0 = kblk * kBlockK, c1 = std::min(tk, c0 + kBlockK);
     const int64_t nc = c1 - c0;
-    std::vector<double> dk_acc(nc * d, 0.0), dv_acc(nc * d, 0.0);
+    std::vector<double> dk_acc(nc * d, 0.0), dv_acc(nc * dv_dim, 0.0);
     std::vector<float> pt(kBlockQ * kBlockK), dst(kBlockQ * kBlockK);
     for (int64_t x = klists.offsets[kblk]; x < klists.offsets[kblk + 1]; ++x) {
       const Slice& s = p.slices[klists.ids[x]];
@@ -302,33 +302,33 @@ void Backward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, co
       RowSpan(s, cb, ce, &rb_all, &re_all);
       if (rb_all >= re_all) continue;
       LoadRowsTransposed(k, hkv, d, hk, cb, ce, w.kt.data());
-      LoadRowsTransposed(v, hkv, d, hk, cb, ce, w.vt.data());
+      LoadRowsTransposed(v, hkv, dv_dim, hk, cb, ce, w.vt.data());
       for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
         for (int64_t rb = rb_all; rb < re_all; rb += kBlockQ) {
           const int64_t re = std::min(re_all, rb + kBlockQ), mr = re - rb;
           LoadRows(q, hq, d, h, rb, re, w.q.data());
-          LoadRows(dout, hq, d, h, rb, re, w.dout.data());
+          LoadRows(dout, hq, dv_dim, h, rb, re, w.dout.data());
           row_stats(w, h, rb, re);
           MatMul(w.q.data(), w.kt.data(), w.s.data(), int(mr), int(d), int(mc), false);
-          MatMul(w.dout.data(), w.vt.data(), w.dp.data(), int(mr), int(d), int(mc), false);
+          MatMul(w.dout.data(), w.vt.data(), w.dp.data(), int(mr), int(dv_dim), int(mc), false);
           TileGradients(p, s, rb, mr, cb, mc, w.lse.data(), w.delta.data(), w.s.data(), w.dp.data());
           for (int64_t i = 0; i < mr; ++i)
             for (int64_t j = 0; j < mc; ++j) {
               pt[j * mr + i] = w.s[i * mc + j];
               dst[j * mr + i] = w.dp[i * mc + j];
             }
-          MatMul(pt.data(), w.dout.data(), w.tile.data(), int(mc), int(mr), int(d), false);
-          AddTile(w.tile.data(), dv_acc.data() + (cb - c0) * d, mc * d);
+          MatMul(pt.data(), w.dout.data(), w.tile.data(), int(mc), int(mr), int(dv_dim), false);
+          AddTile(w.tile.data(), dv_acc.data() + (cb - c0) * dv_dim, mc * dv_dim);
           MatMul(dst.data(), w.q.data(), w.tile.data(), int(mc), int(mr), int(d), false);
           AddTile(w.tile.data(), dk_acc.data() + (cb - c0) * d, mc * d);
         }
       }
     }
-    for (int64_t c = c0; c < c1; ++c)
-      for (int64_t j = 0; j < d; ++j) {
-        dk[(c * hkv + hk) * d + j] = FromFloat<T>(float(dk_acc[(c - c0) * d + j]));
-        dv[(c * hkv + hk) * d + j] = FromFloat<T>(float(dv_acc[(c - c0) * d + j]));
-      }
+    for (int64_t c = c0; c < c1; ++c) {
+      for (int64_t j = 0; j < d; ++j) dk[(c * hkv + hk) * d + j] = FromFloat<T>(float(dk_acc[(c - c0) * d + j]));
+      for (int64_t j = 0; j < dv_dim; ++j)
+        dv[(c * hkv + hk) * dv_dim + j] = FromFloat<T>(float(dv_acc[(c - c0) * dv_dim + j]));
+    }
   });
 }
 
@@ -377,12 +377,15 @@ ffi::Error FfaBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                       ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dk2,
                       ffi::Result<ffi::AnyBuffer> dv2) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, /*kv_packed=*/false, /*v_head_dim_apart=*/true);
   if (dims.has_error()) return dims.error();
-  for (auto [name, buf, ref] : {std::tuple{"out", &out, &q}, {"dout", &dout, &q}})
-    if (auto err = CheckSameShape(name, *buf, *ref); err.failure()) return err;
+  if (auto err = CheckForwardOut(out, q, dims->dv); err.failure()) return err;
+  if (auto err = CheckSameShape("dout", dout, out); err.failure()) return err;
+  if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
   auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2, kv2_packed);
   if (tk2.has_error()) return tk2.error();
+  if (dims->dv != dims->d && *tk2 > 0)
+    return ffi::Error::InvalidArgument("k2: no second key source where v has its own head dim");
   auto has_dq_in = CheckDqChain(q, dq_in, *dq, dq_f32, deterministic);
   if (has_dq_in.has_error()) return has_dq_in.error();
   auto has_delta = CheckDeltaIn(q, delta_in);

@@ -12,8 +12,8 @@
 // The forward's attribute kv_packed: k is [Tk, 2 Hkv, D], K in heads [0, Hkv) and V in [Hkv, 2 Hkv) of each
 // row (a group collective's receive buffer, [Tk, 2, Hkv, D], as is); v is the same array (only k is read).
 // Shapes: q/out/dout/dq [Tq, Hq, D]; k/v/dk/dv [Tk, Hkv, D]; lse and dlse (the cotangent of lse, used when
-// partial results are merged by lse) [Tq, Hq] float32; the forward only takes v [Tk, Hkv, Dv] and gives out
-// [Tq, Hq, Dv] with Dv != D (not packed; on CUDA D 192 with Dv 128, MLA's shapes);
+// partial results are merged by lse) [Tq, Hq] float32; v may have its own head dim Dv: v / dv [Tk, Hkv, Dv],
+// out / dout [Tq, Hq, Dv] (not packed, no second key source; on CUDA D 192 with Dv 128, MLA's shapes);
 // ranges int32 [N, 2] (half-open); attn_type_map int32 [N] (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL).
 // q, k, v share one dtype (bf16, fp16, fp32); out and the gradients have the inputs' dtype.
 // Logits: scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0. Rows covered by several
@@ -84,7 +84,7 @@ auto BindFfaBwd(Binding binding) {
 // Problem sizes, read from the buffers once the shapes are checked.
 struct FfaDims {
   int64_t tq, tk, hq, hkv, d, num_slices;
-  int64_t dv;  // v's head dim (the backward's: d)
+  int64_t dv;  // v's head dim
 };
 
 inline ffi::Error CheckSameShape(const char* name, const ffi::AnyBuffer& a, const ffi::AnyBuffer& ref) {
@@ -97,7 +97,7 @@ inline ffi::Error CheckSameShape(const char* name, const ffi::AnyBuffer& a, cons
 
 // Checks ranks and shape agreement of the forward inputs (the Python wrapper gives clearer errors first;
 // this guards direct callers of the custom call). kv_packed: k (and v, the same buffer) is [Tk, 2 Hkv, D].
-// v_head_dim_apart: v may be [Tk, Hkv, Dv] with its own head dim (the forward; the backward takes v as k).
+// v_head_dim_apart: v may be [Tk, Hkv, Dv] with its own head dim.
 inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                             const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& q_ranges,
                                             const ffi::Buffer<ffi::S32>& k_ranges,
@@ -126,7 +126,7 @@ inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::
   return dims;
 }
 
-// The forward's out: [Tq, Hq, Dv] in q's dtype.
+// out (the forward's result, the backward's input): [Tq, Hq, Dv] in q's dtype.
 inline ffi::Error CheckForwardOut(const ffi::AnyBuffer& out, const ffi::AnyBuffer& q, int64_t dv) {
   auto od = out.dimensions(), qd = q.dimensions();
   if (od.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != dv || out.element_type() != q.element_type())

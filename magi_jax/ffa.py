@@ -18,9 +18,9 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # The head dims of deterministic=True: the GPU's deterministic dq kernel has 64 and 128 (96 runs padded to
 # 128, 192 to 256, which the GPU refuses: it has no deterministic backward at 256).
 DETERMINISTIC_HEAD_DIMS = (64, 128, 256)
-# The forward's head dims for v smaller than q's, by q's kernel head dim: MLA's q / k 192 with v up to 128
-# run with v at 128, not padded to 192 (a third less P V work and v traffic); the backward pads v to q's.
-FORWARD_V_HEAD_DIMS = {192: 128}
+# The kernels' head dims for v smaller than q's, by q's kernel head dim: MLA's q / k 192 with v up to 128 run
+# with v at 128, not padded to 192 (a third less P V, dP and dV work, and v traffic).
+V_HEAD_DIMS = {192: 128}
 # The names that flex_flash_attn and calc_attn give their out and lse as saved for the backward: under
 # jax.checkpoint, the policy jax.checkpoint_policies.save_only_these_names(*CHECKPOINT_NAMES) keeps them,
 # so the backward pass does not run the attention forward again (by default it does).
@@ -44,7 +44,7 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     gives out [B, Tq, Hq, Dv], lse [B, Tq, Hq]: as jax.vmap over the sequences would, one packed call.
     D and Dv (1 to 256) may differ; the kernels run 64, 96, 128, 192 and 256 (deterministic=True: 96 padded
     to 128, 192 to 256), other sizes zero-padded to the next of them (kernel_head_dim), at the padded size's
-    cost; the forward runs D 192 with Dv up to 128 at Dv 128 (MLA's shapes; FORWARD_V_HEAD_DIMS).
+    cost; D 192 with Dv up to 128 runs at Dv 128 (MLA's shapes; V_HEAD_DIMS).
     softcap > 0 caps logits as softcap * tanh(logit / softcap). deterministic=True makes the backward
     bitwise reproducible. Under jax.vmap the batch runs as one call (its elements packed end to end, each
     element's slices on its own tokens; keys shared by the batch are not copied). Under jit on arrays sharded
@@ -148,11 +148,11 @@ def kernel_head_dim(head_dim: int, head_dim_v: int, deterministic: bool = False)
 def pad_head_dims(q: jax.Array, k: jax.Array, v: jax.Array, deterministic: bool = False,
                   v_apart: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v zero-padded along their last axis to kernel_head_dim (as they are where it is theirs); with
-    v_apart, v to the forward's own head dim for it where there is one (FORWARD_V_HEAD_DIMS). Exact: zeros
+    v_apart, v to the kernels' own head dim for it where there is one (V_HEAD_DIMS). Exact: zeros
     add nothing to q k^T, and v's zero columns give output columns that the caller drops. The softmax scale
     stays the caller's (its default from q's own head dim)."""
     d = kernel_head_dim(q.shape[-1], v.shape[-1], deterministic)
-    dv = FORWARD_V_HEAD_DIMS.get(d, d) if v_apart else d
+    dv = V_HEAD_DIMS.get(d, d) if v_apart else d
     return pad_last_axis(q, d), pad_last_axis(k, d), pad_last_axis(v, dv if v.shape[-1] <= dv else d)
 
 
@@ -255,7 +255,7 @@ def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_mar
     """out, lse over the slices given; prev: (out, lse) of an earlier call over the same q and other keys
     (disjoint slices), merged in by the kernel and updated in place: the result is that of both calls'
     slices together. v None: k is K and V packed, [Tk, 2, Hkv, D] (a group collective's receive buffer),
-    read as is. out is [Tq, Hq, Dv], v's head dim (FORWARD_V_HEAD_DIMS: the pairs the GPU takes)."""
+    read as is. out is [Tq, Hq, Dv], v's head dim (V_HEAD_DIMS: the pairs the GPU takes)."""
     kv_packed = v is None
     if kv_packed:
         if k.ndim != 4 or k.shape[1] != 2:
@@ -426,12 +426,9 @@ def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, determi
 def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
     dout, dlse = cotangents
-    # The backward kernels take v (so out, dout) at q's head dim: a forward's v of its own is padded here.
-    head_dim_v = v.shape[-1]
-    v, out, dout = (pad_last_axis(x, q.shape[-1]) for x in (v, out, dout))
     dq, dk, dv = _one(_batched_bwd(scale, softcap, deterministic), *((x, True) for x in (
         q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map)))
-    return dq, dk, drop_head_dim_padding(dv, head_dim_v), None, None, None
+    return dq, dk, dv, None, None, None
 
 
 def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic,

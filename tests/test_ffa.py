@@ -80,8 +80,8 @@ def test_head_dim_80_runs_at_96_and_deterministic_at_128(deterministic, kernel_d
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_mla_forward_takes_v_at_its_own_head_dim(deterministic):
-    # q, k 192 with v 100: the forward's v at 128 (ffa.FORWARD_V_HEAD_DIMS), out sliced to 100; the backward's
-    # v, out and dout at 192. deterministic=True: everything at 256, as before.
+    # q, k 192 with v 100: v, out and dout at 128 in both custom calls (ffa.V_HEAD_DIMS), out and dv sliced to
+    # 100. deterministic=True: everything at 256, as before.
     mask = masks.varlen_causal([40, 90, 30])
     rng = np.random.default_rng(6)
     q, k, _ = random_qkv(rng, 160, 160, 4, 2, 192)
@@ -91,10 +91,22 @@ def test_mla_forward_takes_v_at_its_own_head_dim(deterministic):
     calls = sorted((eqn.params["target_name"], eqn.invars[0].aval.shape[-1], eqn.invars[2].aval.shape[-1])
                    for eqn in ffi_eqns(grad, q, k, v))
     d, dv = (256, 256) if deterministic else (192, 128)
-    assert calls == [("magi_jax_ffa_bwd", d, d), ("magi_jax_ffa_fwd", d, dv)], calls
+    assert calls == [("magi_jax_ffa_bwd", d, dv), ("magi_jax_ffa_fwd", d, dv)], calls
     assert [g.shape for g in grad(q, k, v)] == [(160, 4, 192), (160, 2, 192), (160, 2, 100)]
     check_against_reference(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, deterministic=deterministic),
                             mask, q, k, v, rng)
+
+
+def test_second_key_source_refused_where_v_has_its_own_head_dim():
+    # The custom call's second key source takes v2 as k2 (and dk2, dv2): v of its own head dim has none.
+    from magi_jax import ffa
+    q, k, _ = random_qkv(np.random.default_rng(7), 100, 120, 4, 2, 64)
+    v = k[..., :32]
+    qr, kr, t = (jnp.asarray(a) for a in TWO_CALL_MASK.kernel_args())
+    out, lse = ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0)
+    with pytest.raises(Exception, match="v2: shape or dtype differs from its pair"):
+        jax.block_until_ready(ffa._bwd_call(q, k[:60], v[:60], out, out, lse, lse, qr, kr, t, 0.125, 0.0, False,
+                                            k2=k[60:], v2=v[60:]))
 
 
 def test_softcap_and_scale():

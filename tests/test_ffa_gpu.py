@@ -334,9 +334,9 @@ def test_head_dims_other_than_the_kernels(d, dv):
 
 
 # --------------------------------------------------------------------------------- MLA: q, k 192, v 128
-# The forward takes v at its own 128 (cuda/ FwdSm90Tile<192, 128>: V tiles, O and P V of 128 columns, an O
-# staging buffer of its own, the intra-warpgroup overlap with one Q buffer); the backward pads v, out and dout
-# to 192 (ffa.FORWARD_V_HEAD_DIMS).
+# Both passes take v at its own 128 (ffa.V_HEAD_DIMS): the forward's FwdSm90Tile<192, 128> (V tiles, O and P V
+# of 128 columns, an O staging buffer of its own, the intra-warpgroup overlap with one Q buffer), the
+# backward's BwdSm90Tile<192, 128> (dP^T over 128, dV's 128 columns in warpgroup 0).
 
 @pytest.mark.parametrize("mask_type", TYPES)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -361,6 +361,10 @@ def test_forward_refuses_other_v_head_dims_by_name():
     args = tuple(jnp.asarray(a) for a in masks.causal(256).kernel_args())
     with pytest.raises(Exception, match="v: head_dim 64 differs from q's 128"):
         jax.block_until_ready(ffa._fwd_call(q, k, v[..., :64], *args, 0.1, 0.0))
+    out, lse = ffa._fwd_call(q, k, v, *args, 0.1, 0.0)
+    with pytest.raises(Exception, match="v: head_dim 64 differs from q's 128; the CUDA backward"):
+        jax.block_until_ready(ffa._bwd_call(q, k, v[..., :64], out[..., :64], out[..., :64], lse, lse, *args, 0.1,
+                                            0.0, False))
 
 
 # ------------------------------------------------------------------------------------------ head dim 256
