@@ -254,7 +254,8 @@ MAGI_DEV void SoftcapProbsAndDs(float (&s)[1][NT][4], float (&dp)[1][NT][4], con
 // from 128 cw (SS, A = P^T / dS^T K-major, B = dO / Q MN-major, N kWgCols: 128, or 64 for warpgroup 1 at D 192)
 // and computes dQ = dS K for the 64 rows x its kDqCols columns from cw kSplitDqCols0 (A = dS^T MN-major, B = K
 // MN-major; at D 192 64 and 128, balancing the warpgroups' GEMMs), drained as kDqCols / 32 boxes of 64 x 32 fp32
-// through its 8 KB staging buffer and TMA reduce-adds. Per step and warpgroup (nothing in flight across steps):
+// through its staging buffer (D 192: all at once; D 256: one at a time) and TMA reduce-adds. Per step and
+// warpgroup (nothing in flight across steps; issuing the next S^T, dP^T before the drain was 37% slower):
 //   row_full wait | S^T, dP^T (two commit groups) | wait<1>: mask, P^T | wait<0>: dS^T | barrier 5 (the last
 //   step's readers of P^T / dS^T are done) | P^T, dS^T -> smem, fence | barrier 1 | dV, dK | dQ | wait<1>:
 //   release the Q / dO stage | wait<0> | drain dQ
@@ -304,7 +305,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   const float* sdelta = reinterpret_cast<const float*>(smem + Tile::kDeltaOffset);
   unsigned char* sp = smem + Tile::kDsOffset;                    // P^T [64 keys][64 rows]
   unsigned char* sds = smem + Tile::kDsOffset + Tile::kDsBytes;  // dS^T [64 keys][64 rows]
-  unsigned char* dq_buf = smem + Tile::kDqOffset + cw * Tile::kDqBytes;
+  unsigned char* dq_buf = smem + Tile::kDqOffset + cw * Tile::kDqStageBytes;
   auto& bars = *reinterpret_cast<BwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
   BwdSm90Step* steps = reinterpret_cast<BwdSm90Step*>(smem + Tile::kBarOffset + Region::kStepOffset);
   const BwdParams& bp = p.base;
@@ -427,15 +428,21 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     if constexpr (kDq) {
       WgmmaWait<0>();
       FenceRegs(dq);
+      // In rounds of Tile::kDqStagedBoxes boxes (D 192: one round a step).
+      constexpr int kBoxes = kDqCols / 32, kStaged = Tile::kDqStagedBoxes;
 #pragma unroll
-      for (int j = 0; j < kDqCols / 32; ++j) {
-        BulkWaitRead();  // the last reduce-add has read the buffer (only wtid 0 has bulk groups)
+      for (int j0 = 0; j0 < kBoxes; j0 += kStaged) {
+        BulkWaitRead();  // the last reduce-adds have read the buffer (only wtid 0 has bulk groups)
         NamedBarrierSync(3 + cw, 128);
-        StoreDqBox32(dq_buf, wwarp, g, t, dq, j, bp.scale);
+#pragma unroll
+        for (int j = j0; j < j0 + kStaged && j < kBoxes; ++j)
+          StoreDqBox32(dq_buf + (j - j0) * Tile::kDqBytes, wwarp, g, t, dq, j, bp.scale);
         FenceProxyAsyncShared();
-        NamedBarrierSync(3 + cw, 128);  // the box is in dq_buf
+        NamedBarrierSync(3 + cw, 128);  // the boxes are in dq_buf
         if (wtid == 0) {
-          TmaReduceAdd4d(&p.dq_map, dq_buf, 0, dq_col0 / 32 + j, head, rb);
+#pragma unroll
+          for (int j = j0; j < j0 + kStaged && j < kBoxes; ++j)
+            TmaReduceAdd4d(&p.dq_map, dq_buf + (j - j0) * Tile::kDqBytes, 0, dq_col0 / 32 + j, head, rb);
           BulkCommit();
         }
         __syncwarp();
@@ -636,7 +643,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D, Dv>::kThreads, 1)
   const uint64_t desc_ds = SmemDesc128B(sds + (kDqHalves ? 0 : cw * (WK * 128)), 64 * 128);
   const uint64_t desc_k_dq = SmemDesc128B(sk + (kDqHalves ? cw * (BN * 128) : cw * (WK * 128)), BN * 128);
   const int dq_col0 = kDqHalves ? cw * 64 : 0;
-  unsigned char* dq_buf = sdq + cw * Tile::kDqBytes;
+  unsigned char* dq_buf = sdq + cw * Tile::kDqStageBytes;
   // The (q head, first row) of the warpgroup's dQ boxes, one per step parity: stashed by the issuing thread
   // (wtid 0) while the step's stage is held and read back by it at the drain, after the stage (and its
   // BwdSm90Step) has been released.

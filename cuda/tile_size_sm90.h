@@ -203,8 +203,13 @@ struct BwdSm90Tile {
   // kSplitD: 64 rows x 32 columns (the box (32, 1, 1, 64)), the warpgroup's 128 columns in four boxes.
   static constexpr int kDqBoxCols = kSplitD ? 32 : 64;
   static constexpr uint32_t kDqBytes = kBlockM * kDqBoxCols * 4;
+  // Boxes a warpgroup stages at once: at D 192 all of a step's (up to 4, 32 KB), so that a step waits once for
+  // the last reduce-adds' read of the buffer (issued a step before), not once per box behind the box just
+  // issued (-16% of the MLA backward, BENCHMARKS.md 2026-12-06 14:03 UTC); at D 256 one (shared memory full).
+  static constexpr int kDqStagedBoxes = D == 192 ? 128 / kDqBoxCols : 1;
+  static constexpr uint32_t kDqStageBytes = kDqStagedBoxes * kDqBytes;
   static constexpr uint32_t kDqOffset = kDsOffset + kDsBuffers * kDsBytes;
-  static constexpr uint32_t kBarOffset = kDqOffset + kConsumerWarpgroups * kDqBytes;
+  static constexpr uint32_t kBarOffset = kDqOffset + kConsumerWarpgroups * kDqStageBytes;
   static constexpr uint32_t kBarBytes = 256;
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
 
