@@ -160,7 +160,7 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                       ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev,
                       float softmax_scale, float softcap, int32_t sm_margin, bool kv_packed,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed, /*v_head_dim_apart=*/true);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckForwardOut(*out, q, dims->dv); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
@@ -264,7 +264,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                       ffi::Result<ffi::AnyBuffer> dq,
                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                       ffi::Result<ffi::AnyBuffer> dk2, ffi::Result<ffi::AnyBuffer> dv2) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, /*kv_packed=*/false, /*v_head_dim_apart=*/true);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckForwardOut(out, q, dims->dv); err.failure()) return err;
   if (auto err = CheckSameShape("dout", dout, out); err.failure()) return err;

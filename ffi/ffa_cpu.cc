@@ -353,7 +353,7 @@ ffi::Error FfaFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                       ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev, float softmax_scale, float softcap,
                       int32_t /*sm_margin: a GPU launch setting*/, bool kv_packed,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed, /*v_head_dim_apart=*/true);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckForwardOut(*out, q, dims->dv); err.failure()) return err;
   auto merge = CheckMergeInputs(*out, out_prev, lse_prev);
@@ -377,7 +377,7 @@ ffi::Error FfaBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                       ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dk2,
                       ffi::Result<ffi::AnyBuffer> dv2) {
-  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, /*kv_packed=*/false, /*v_head_dim_apart=*/true);
+  auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types);
   if (dims.has_error()) return dims.error();
   if (auto err = CheckForwardOut(out, q, dims->dv); err.failure()) return err;
   if (auto err = CheckSameShape("dout", dout, out); err.failure()) return err;

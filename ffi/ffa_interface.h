@@ -96,16 +96,15 @@ inline ffi::Error CheckSameShape(const char* name, const ffi::AnyBuffer& a, cons
 }
 
 // Checks ranks and shape agreement of the forward inputs (the Python wrapper gives clearer errors first;
-// this guards direct callers of the custom call). kv_packed: k (and v, the same buffer) is [Tk, 2 Hkv, D].
-// v_head_dim_apart: v may be [Tk, Hkv, Dv] with its own head dim.
+// this guards direct callers of the custom call). kv_packed: k (and v, the same buffer) is [Tk, 2 Hkv, D];
+// otherwise v may be [Tk, Hkv, Dv] with its own head dim (the handlers say which pairs they run).
 inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                             const ffi::AnyBuffer& v, const ffi::Buffer<ffi::S32>& q_ranges,
                                             const ffi::Buffer<ffi::S32>& k_ranges,
-                                            const ffi::Buffer<ffi::S32>& types, bool kv_packed = false,
-                                            bool v_head_dim_apart = false) {
+                                            const ffi::Buffer<ffi::S32>& types, bool kv_packed = false) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 3 || kd.size() != 3) return ffi::Error::InvalidArgument("q and k must be [T, H, D]");
-  if (v_head_dim_apart && !kv_packed) {
+  if (!kv_packed) {
     if (vd.size() != 3 || vd[0] != kd[0] || vd[1] != kd[1] || v.element_type() != k.element_type())
       return ffi::Error::InvalidArgument("v: must be [Tk, Hkv, Dv] with k's tokens, heads and dtype");
   } else if (auto err = CheckSameShape("v", v, k); err.failure()) {

@@ -79,7 +79,7 @@ def test_head_dim_80_runs_at_96_and_deterministic_at_128(deterministic, kernel_d
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_mla_forward_takes_v_at_its_own_head_dim(deterministic):
+def test_mla_takes_v_at_its_own_head_dim_in_both_passes(deterministic):
     # q, k 192 with v 100: v, out and dout at 128 in both custom calls (ffa.V_HEAD_DIMS), out and dv sliced to
     # 100. deterministic=True: everything at 256, as before.
     mask = masks.varlen_causal([40, 90, 30])
@@ -98,7 +98,8 @@ def test_mla_forward_takes_v_at_its_own_head_dim(deterministic):
 
 
 def test_second_key_source_refused_where_v_has_its_own_head_dim():
-    # The custom call's second key source takes v2 as k2 (and dk2, dv2): v of its own head dim has none.
+    # The custom call's second key source takes v2 as k2 (and dk2, dv2): v of its own head dim has none, whether
+    # v2 has v's head dim (unlike k2) or k2's (unlike v).
     from magi_jax import ffa
     q, k, _ = random_qkv(np.random.default_rng(7), 100, 120, 4, 2, 64)
     v = k[..., :32]
@@ -107,6 +108,9 @@ def test_second_key_source_refused_where_v_has_its_own_head_dim():
     with pytest.raises(Exception, match="v2: shape or dtype differs from its pair"):
         jax.block_until_ready(ffa._bwd_call(q, k[:60], v[:60], out, out, lse, lse, qr, kr, t, 0.125, 0.0, False,
                                             k2=k[60:], v2=v[60:]))
+    with pytest.raises(Exception, match="k2: no second key source where v has its own head dim"):
+        jax.block_until_ready(ffa._bwd_call(q, k[:60], v[:60], out, out, lse, lse, qr, kr, t, 0.125, 0.0, False,
+                                            k2=k[60:], v2=k[60:]))
 
 
 def test_softcap_and_scale():
