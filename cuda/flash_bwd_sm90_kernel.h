@@ -487,6 +487,228 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   }
 }
 
+// ------------------------------------------------------------------------------------- head dim 192 (kRoles)
+// The consumers of BwdSm90Tile<192, Dv> (tile_size_sm90.h): the CTA owns 64 keys and the warpgroups take
+// roles, a step apart, rather than halves of every GEMM (the split-D consumers above: both warpgroups in step,
+// the tensor cores idle through both softmaxes). Warpgroup 0 computes S^T, dP^T for the step's 64 rows (wgmma
+// N 64, as D 128's warpgroups do for theirs), the mask, P^T, dS^T, writes dS^T (bf16) into buffer i % 2 and
+// accumulates dV += P^T dO from registers (RS, N Dv); warpgroup 1 takes dS^T(i) from there and accumulates dK
+// += dS^T Q (N 192) and computes dQ = dS K (N 192), drained as six 64 x 32 boxes staged at once. While
+// warpgroup 1 runs step i's GEMMs, warpgroup 0 runs step i + 1's softmax. Per step:
+//   warpgroup 0: row_full wait | S^T, dP^T | wait<1>: mask, P^T | wait<0>: dS^T | dV (RS) | sync consumed(i - 2)
+//                | dS^T -> buffer i % 2, arrive ready(i) | wait<0>: release the Q / dO stage
+//   warpgroup 1: row_full wait | sync ready(i) | dK, dQ | wait<1>: release the stage | wait<0>: arrive
+//                consumed(i) | drain dQ
+// Named barriers ready(i) kReady + i % 2 and consumed(i) kConsumed + i % 2 (warpgroup 1 arrives for steps -2
+// and -1 at its start, warpgroup 0 syncs for the last two steps at its end: every barrier completes).
+// Registers per thread: warpgroup 0 dV Dv / 2 + S^T, dP^T 32 + 32 + fragments; warpgroup 1 dK 96 + dQ 96.
+template <typename T, int D, int Dv, bool kDq, bool kSoftcap>
+MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
+  using Tile = BwdSm90Tile<D, Dv>;
+  constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
+  constexpr int DT = D / 8, VT = Dv / 8, kBoxes = D / Tile::kDqBoxCols;
+  static_assert(BN == 64 && BM == 64 && D == 192 && Tile::kDsBuffers == 2 && Tile::kDqStagedBoxes == kBoxes,
+                "the roles consumer is written for 64 keys, 64 rows, D 192, two dS^T buffers, all dQ boxes staged");
+  constexpr int kReady = 6, kConsumed = 8;  // named barriers 6, 7 and 8, 9 (by step parity)
+  using Region = BwdSm90Region<kStages>;
+  unsigned char* sk = smem + Tile::kKOffset;
+  unsigned char* sv = smem + Tile::kVOffset;
+  unsigned char* sq = smem + Tile::kQOffset;
+  unsigned char* sdo = smem + Tile::kDoOffset;
+  const float* slse = reinterpret_cast<const float*>(smem + Tile::kLseOffset);
+  const float* sdelta = reinterpret_cast<const float*>(smem + Tile::kDeltaOffset);
+  unsigned char* sds = smem + Tile::kDsOffset;  // dS^T [2][64 keys][64 rows]
+  unsigned char* dq_buf = smem + Tile::kDqOffset;
+  auto& bars = *reinterpret_cast<BwdSm90Barriers<kStages>*>(smem + Tile::kBarOffset);
+  BwdSm90Step* steps = reinterpret_cast<BwdSm90Step*>(smem + Tile::kBarOffset + Region::kStepOffset);
+  const BwdParams& bp = p.base;
+  const int tid = threadIdx.x, lane = tid & 31, wtid = tid & 127, wwarp = wtid >> 5, g = lane >> 2, t = lane & 3;
+  constexpr bool softcap = kSoftcap;
+  const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
+  const int64_t k0 = int64_t(CtaTile(tile_addr, 0)) * BN;
+
+  // A stage's step record {first row, q head, flags}: lane 0's values, broadcast (uniform: the wgmmas below
+  // must not look divergent).
+  auto read_step = [&](int stage, int& rb, int& head, int& flags) {
+    uint32_t r, h, f, ty;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r), "=r"(h), "=r"(f), "=r"(ty)
+                 : "r"(SmemAddr(&steps[stage]))
+                 : "memory");
+    rb = __shfl_sync(0xffffffffu, int(r), 0);
+    head = __shfl_sync(0xffffffffu, int(h), 0);
+    flags = __shfl_sync(0xffffffffu, int(f), 0);
+  };
+
+  MbarWait(&bars.kv_full, 0);
+  PipeState<kStages> ps;
+  int i = 0;  // the step
+  if (cw == 0) {
+    // S^T = K Q^T, dP^T = V dO^T (A K-major: the 64 keys; B K-major: the stage's 64 rows); dV += P^T dO (A the
+    // P^T fragments, B the dO stage MN-major, LBO the 64-column chunk stride).
+    const uint64_t desc_k = SmemDesc128B(sk, 16), desc_v = SmemDesc128B(sv, 16);
+    const uint64_t desc_q_k = SmemDesc128B(sq, 16), desc_do_k = SmemDesc128B(sdo, 16);
+    const uint64_t desc_do_mn = SmemDesc128B(sdo, BM * 128);
+    float dv[VT][4];
+#pragma unroll
+    for (int di = 0; di < VT; ++di)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dv[di][e] = 0.0f;
+    float s[1][8][4], dp[1][8][4];
+    uint32_t pa[4][4], dsa[4][4];
+    for (;; ++i) {
+      MbarWait(&bars.row_full[ps.stage], ps.phase);
+      int rb, head, flags;
+      read_step(ps.stage, rb, head, flags);
+      if (flags & kStepEnd) break;
+      const uint32_t q_off = ps.stage * Tile::kRowBytes, do_off = ps.stage * Tile::kDoRowBytes;
+      WgmmaFence();
+      IssueKMajorSS<T, 64, D, BN, BM>(s[0], desc_k, DescAdd(desc_q_k, q_off));
+      IssueKMajorSS<T, 64, Dv, BN, BM>(dp[0], desc_v, DescAdd(desc_do_k, do_off));
+      const float* lse_s = slse + ps.stage * BM;
+      const float* delta_s = sdelta + ps.stage * BM;
+      WgmmaWait<1>();  // S^T has landed, dP^T still runs
+      FenceRegs(s[0]);
+      if constexpr (softcap) ApplySoftcap(s, bp.scale, bp.softcap);
+      MaskStep<8>(s, steps[ps.stage], k0, BN, rb, wwarp, g, t);
+      float2 delta[8];
+      if constexpr (!softcap) {
+        ExpScores<8>(s, lse_s, t, scale_log2);
+        LoadDelta<8>(delta_s, t, delta);
+      }
+      WgmmaWait<0>();  // dP^T has landed
+      FenceRegs(dp[0]);
+      if constexpr (softcap) SoftcapProbsAndDs<8>(s, dp, lse_s, delta_s, t, scale_log2, bp.softcap);
+      else DsFromProbs<8>(s, dp, delta);
+      PackA64<T>(s[0], pa);
+      PackA64<T>(dp[0], dsa);
+      FenceRegs(dv);
+      FenceRegs(pa);
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        Wgmma<T, Dv>::template RS<1>(dv, pa[kk], DescAdd(DescAdd(desc_do_mn, do_off), kk * 2048), 1);
+      WgmmaCommit();
+      // dS^T(i) into buffer i % 2 once warpgroup 1 is done with dS^T(i - 2), while dV runs. Four 8x8
+      // matrices per 16 columns (StMatrixX4, the A fragments' order): lane l addresses key 16 wwarp +
+      // 8 ((l / 8) & 1) + l % 8, columns + 8 (l / 16).
+      NamedBarrierSync(kConsumed + (i & 1), Tile::kConsumerThreads);
+      {
+        const uint32_t ds_buf = SmemAddr(sds + (i & 1) * Tile::kDsBytes);
+        const int kr = wwarp * 16 + (lane & 15), dc = (lane >> 4) * 8;
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+          StMatrixX4(ds_buf + Swizzle128B(kr, kk * 16 + dc), dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+      }
+      FenceProxyAsyncShared();
+      NamedBarrierArrive(kReady + (i & 1), Tile::kConsumerThreads);
+      WgmmaWait<0>();  // dV has landed: this warpgroup is done with the Q / dO stage
+      FenceRegs(dv);
+      MbarArriveIf(&bars.row_empty[ps.stage], wtid == 0);
+      ps.Advance();
+    }
+    // Warpgroup 1's arrivals for the last two steps (or its two at the start, without steps).
+    NamedBarrierSync(kConsumed + (i & 1), Tile::kConsumerThreads);
+    NamedBarrierSync(kConsumed + ((i + 1) & 1), Tile::kConsumerThreads);
+    // Epilogue: the Q / dO rings are free once both warpgroups are here; dV into the dO ring,
+    // [chunks][64 keys][64], 128-byte swizzle.
+    NamedBarrierSync(2, Tile::kConsumerThreads);
+#pragma unroll
+    for (int di = 0; di < VT; ++di) {
+      const int col = di * 8 + 2 * t, chunk = col / 64, r = wwarp * 16 + g;
+      const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
+      *reinterpret_cast<uint32_t*>(sdo + o0) = Elem<T>::Pack(dv[di][0], dv[di][1]);
+      *reinterpret_cast<uint32_t*>(sdo + o1) = Elem<T>::Pack(dv[di][2], dv[di][3]);
+    }
+  } else {
+    // dK += dS^T Q: A = dS^T K-major ([keys][rows]), B = the Q stage MN-major; dQ = dS K: A = dS^T MN-major,
+    // B = K MN-major; both N 192.
+    const uint64_t desc_q_mn = SmemDesc128B(sq, BM * 128);
+    const uint64_t desc_k_mn = SmemDesc128B(sk, BN * 128);
+    float dk[DT][4];
+#pragma unroll
+    for (int di = 0; di < DT; ++di)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[di][e] = 0.0f;
+    // consumed(-2), consumed(-1): both buffers are free.
+    NamedBarrierArrive(kConsumed, Tile::kConsumerThreads);
+    NamedBarrierArrive(kConsumed + 1, Tile::kConsumerThreads);
+    for (;; ++i) {
+      MbarWait(&bars.row_full[ps.stage], ps.phase);
+      int rb, head, flags;
+      read_step(ps.stage, rb, head, flags);
+      if (flags & kStepEnd) break;
+      NamedBarrierSync(kReady + (i & 1), Tile::kConsumerThreads);  // dS^T(i) is in buffer i % 2
+      unsigned char* ds_buf = sds + (i & 1) * Tile::kDsBytes;
+      const uint64_t desc_ds = SmemDesc128B(ds_buf, 16), desc_ds_mn = SmemDesc128B(ds_buf, 64 * 128);
+      const uint64_t dq_mn = DescAdd(desc_q_mn, ps.stage * Tile::kRowBytes);
+      float dq[DT][4];
+      FenceRegs(dk);
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<T, D>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
+      WgmmaCommit();
+      if constexpr (kDq) {
+        Wgmma<T, D>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
+#pragma unroll
+        for (int kk = 1; kk < BN / 16; ++kk)
+          Wgmma<T, D>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+        WgmmaCommit();
+        WgmmaWait<1>();  // dK has landed: the Q stage is free (dQ reads K and dS^T only)
+      } else {
+        WgmmaWait<0>();
+      }
+      FenceRegs(dk);
+      MbarArriveIf(&bars.row_empty[ps.stage], wtid == 0);
+      if constexpr (kDq) {
+        WgmmaWait<0>();
+        FenceRegs(dq);
+      }
+      NamedBarrierArrive(kConsumed + (i & 1), Tile::kConsumerThreads);  // dS^T(i)'s buffer is free
+      if constexpr (kDq) {
+        BulkWaitRead();  // the last step's reduce-adds have read dq_buf (only wtid 0 has bulk groups)
+        NamedBarrierSync(4, 128);
+#pragma unroll
+        for (int j = 0; j < kBoxes; ++j) StoreDqBox32(dq_buf + j * Tile::kDqBytes, wwarp, g, t, dq, j, bp.scale);
+        FenceProxyAsyncShared();
+        NamedBarrierSync(4, 128);  // the boxes are in dq_buf
+        if (wtid == 0) {
+#pragma unroll
+          for (int j = 0; j < kBoxes; ++j) TmaReduceAdd4d(&p.dq_map, dq_buf + j * Tile::kDqBytes, 0, j, head, rb);
+          BulkCommit();
+        }
+        __syncwarp();
+      }
+      ps.Advance();
+    }
+    // Epilogue: dK (x scale) into the Q ring.
+    NamedBarrierSync(2, Tile::kConsumerThreads);
+#pragma unroll
+    for (int di = 0; di < DT; ++di) {
+      const int col = di * 8 + 2 * t, chunk = col / 64, r = wwarp * 16 + g;
+      const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
+      *reinterpret_cast<uint32_t*>(sq + o0) = Elem<T>::Pack(dk[di][0] * bp.scale, dk[di][1] * bp.scale);
+      *reinterpret_cast<uint32_t*>(sq + o1) = Elem<T>::Pack(dk[di][2] * bp.scale, dk[di][3] * bp.scale);
+    }
+  }
+  FenceProxyAsyncShared();
+  NamedBarrierSync(3 + cw, 128);
+  if (wtid == 0) {
+    const int kb = CtaTile(tile_addr, 0), hk = CtaTile(tile_addr, 1);
+    const KeySource src = CtaKeySource(p, int64_t(kb) * BN);
+    if (cw == 0) {
+#pragma unroll
+      for (int c = 0; c < Dv / 64; ++c) TmaStore3d(src.dv, sdo + c * (BN * 128), 64 * c, hk, src.row);
+    } else {
+#pragma unroll
+      for (int c = 0; c < D / 64; ++c) TmaStore3d(src.dk, sq + c * (BN * 128), 64 * c, hk, src.row);
+    }
+    BulkCommit();
+    BulkWaitRead();  // the stores and the dQ reduce-adds have read shared memory
+  }
+}
+
 // kSoftcap: the launcher picks the instantiation (p.base.softcap > 0), as for the forward: the softcap path's
 // tanhf sequences out of the kernels that do not need them. kGqaSplit: a CTA per (k block, q head), see above.
 // Dv: v's head dim (BwdSm90Tile).
@@ -610,6 +832,10 @@ __global__ void __launch_bounds__(BwdSm90Tile<D, Dv>::kThreads, 1)
 
   // ------------------------------------------------------------------------------------------- consumers
   SetMaxRegsInc<Tile::kConsumerRegs>();
+  if constexpr (Tile::kRoles) {  // head dim 192: an early return, as for the split-D consumers below
+    BwdSm90RolesConsumer<T, D, Dv, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
+    return;
+  }
   if constexpr (Tile::kSplitD) {
     // Head dims 192 and 256: the split-D consumers. An early return rather than an else around the code
     // below: that code is instantiated for them too but never reached (and dropped), and the D 64 / 128

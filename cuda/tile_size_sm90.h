@@ -206,10 +206,14 @@ struct BwdSm90Tile {
   // Boxes a warpgroup stages at once: at D 192 all of a step's (up to 4, 32 KB), so that a step waits once for
   // the last reduce-adds' read of the buffer (issued a step before), not once per box behind the box just
   // issued (-16% of the MLA backward, BENCHMARKS.md 2026-12-06 14:03 UTC); at D 256 one (shared memory full).
-  static constexpr int kDqStagedBoxes = D == 192 ? 128 / kDqBoxCols : 1;
+  // kRoles (D 192): the warpgroups take roles, a step apart (flash_bwd_sm90_kernel.h BwdSm90RolesConsumer):
+  // warpgroup 0 S^T, dP^T, the softmax and dV, warpgroup 1 dK and dQ, whose six boxes it alone stages, all
+  // at once (48 KB); the two dS^T buffers alternate by step.
+  static constexpr bool kRoles = D == 192;
+  static constexpr int kDqStagedBoxes = kRoles ? D / kDqBoxCols : 1;
   static constexpr uint32_t kDqStageBytes = kDqStagedBoxes * kDqBytes;
   static constexpr uint32_t kDqOffset = kDsOffset + kDsBuffers * kDsBytes;
-  static constexpr uint32_t kBarOffset = kDqOffset + kConsumerWarpgroups * kDqStageBytes;
+  static constexpr uint32_t kBarOffset = kDqOffset + (kRoles ? 1 : kConsumerWarpgroups) * kDqStageBytes;
   static constexpr uint32_t kBarBytes = 256;
   static constexpr int kSmemBytes = int(kBarOffset + kBarBytes + 1024);
 
