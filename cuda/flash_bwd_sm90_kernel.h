@@ -246,21 +246,19 @@ MAGI_DEV void SoftcapProbsAndDs(float (&s)[1][NT][4], float (&dp)[1][NT][4], con
   }
 }
 
-// ------------------------------------------------------------------------------ head dims 192, 256 (kSplitD)
-// The consumers of BwdSm90Tile<256> and <192> (tile_size_sm90.h): the CTA owns 64 keys; consumer warpgroup cw
-// computes S^T, dP^T for rows [32 cw, 32 cw + 32) of the step's 64 (wgmma N 32, all 64 keys, the full D
-// contraction), the mask, P^T and dS^T, and writes both (bf16, [64 keys][64 rows], 128-byte swizzle) into
-// shared memory; after a barrier of both warpgroups it accumulates dV, dK for all 64 keys x its kWgCols columns
-// from 128 cw (SS, A = P^T / dS^T K-major, B = dO / Q MN-major, N kWgCols: 128, or 64 for warpgroup 1 at D 192)
-// and computes dQ = dS K for the 64 rows x its kDqCols columns from cw kSplitDqCols0 (A = dS^T MN-major, B = K
-// MN-major; at D 192 64 and 128, balancing the warpgroups' GEMMs), drained as kDqCols / 32 boxes of 64 x 32 fp32
-// through its staging buffer (D 192: all at once; D 256: one at a time) and TMA reduce-adds. Per step and
-// warpgroup (nothing in flight across steps; issuing the next S^T, dP^T before the drain was 37% slower):
+// --------------------------------------------------------------------------- head dim 256 (kSplitD, !kRoles)
+// The consumers of BwdSm90Tile<256> (tile_size_sm90.h): the CTA owns 64 keys; consumer warpgroup cw computes
+// S^T, dP^T for rows [32 cw, 32 cw + 32) of the step's 64 (wgmma N 32, all 64 keys, the full D contraction),
+// the mask, P^T and dS^T, and writes both (bf16, [64 keys][64 rows], 128-byte swizzle) into shared memory;
+// after a barrier of both warpgroups it accumulates dV, dK for all 64 keys x its 128 columns from 128 cw (SS,
+// A = P^T / dS^T K-major, B = dO / Q MN-major, N 128) and computes dQ = dS K for the 64 rows x the same
+// columns (A = dS^T MN-major, B = K MN-major), drained as four boxes of 64 x 32 fp32, one at a time through
+// its staging buffer, and TMA reduce-adds. Per step and warpgroup (nothing in flight across steps; at D 192
+// issuing the next S^T, dP^T before the drain was 37% slower):
 //   row_full wait | S^T, dP^T (two commit groups) | wait<1>: mask, P^T | wait<0>: dS^T | barrier 5 (the last
 //   step's readers of P^T / dS^T are done) | P^T, dS^T -> smem, fence | barrier 1 | dV, dK | dQ | wait<1>:
 //   release the Q / dO stage | wait<0> | drain dQ
-// Registers per thread (kWgCols 128): dK, dV 64 + 64; S^T, dP^T 16 + 16; dQ 64 (S^T / dP^T dead by then):
-// peak 192 (D 192: 160 in warpgroup 0, dQ 32; 128 in warpgroup 1).
+// Registers per thread: dK, dV 64 + 64; S^T, dP^T 16 + 16; dQ 64 (S^T / dP^T dead by then): peak 192.
 // Named barriers: 1 and 5 (both consumer warpgroups), 3 + cw (the warpgroup's dQ staging), 2 (epilogue).
 // Thread (g, t) of warp w stores row r = 16 w + 8 half + g, columns 8 i + 2 t (+1) of a 64 x 32 fp32 box in
 // the 128-byte swizzle (128-byte lines, one per row, 16-byte units XOR-ed by r & 7 = g): two wavefronts a
@@ -281,20 +279,16 @@ MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const fl
     }
 }
 
-// kWgCols, kWgVCols, kDqCols: the warpgroup's columns of dK, dV (0: none, warpgroup 1 where Dv < D) and dQ.
-template <typename T, int D, int Dv, int kWgCols, int kWgVCols, int kDqCols, bool kDq, bool kSoftcap>
+template <typename T, int D, bool kDq, bool kSoftcap>
 MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
-  using Tile = BwdSm90Tile<D, Dv>;
+  using Tile = BwdSm90Tile<D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
+  constexpr int kWgCols = D / 2;  // the warpgroup's columns of dK, dV and dQ, from kWgCols cw
   constexpr int kHalfM = BM / 2, DT = kWgCols / 8, NT = kHalfM / 8;
-  constexpr int VT = kWgVCols > 0 ? kWgVCols / 8 : 1;  // dV's column groups (one unused where it holds none)
-  const int dq_col0 = cw * Tile::kSplitDqCols0;  // the warpgroup's first dQ column
+  const int col0 = cw * kWgCols;
   static_assert(NT % 2 == 0, "P^T and dS^T leave by 16 columns (StMatrixX4)");
-  static_assert(BN == 64 && BM == 64 && (D == 192 || D == 256),
-                "the split-D consumer is written for 64 keys, 64 rows, D 192 or 256");
-  static_assert(kWgCols % 64 == 0 && kWgCols <= 128 && kWgVCols % 64 == 0 && kWgVCols <= 128 &&
-                    kDqCols % 64 == 0 && kDqCols <= 128,
-                "a warpgroup's columns are whole chunks, N <= 128");
+  static_assert(BN == 64 && BM == 64 && D == 256 && Tile::kDqStagedBoxes == 1,
+                "the split-D consumer is written for 64 keys, 64 rows, D 256, one dQ box at a time");
   static_assert(Tile::kDqBoxCols == 32, "dQ leaves in boxes of 32 columns");
   using Region = BwdSm90Region<kStages>;
   unsigned char* sk = smem + Tile::kKOffset;
@@ -325,15 +319,15 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   const uint64_t desc_q_mn = SmemDesc128B(sq + 2 * cw * (BM * 128), BM * 128);
   // dQ = dS K: A = dS^T MN-major, B = K's 64-column chunks of the warpgroup's dQ columns, MN-major.
   const uint64_t desc_ds_mn = SmemDesc128B(sds, 64 * 128);
-  const uint64_t desc_k_mn = SmemDesc128B(sk + dq_col0 / 64 * (BN * 128), BN * 128);
+  const uint64_t desc_k_mn = SmemDesc128B(sk + col0 / 64 * (BN * 128), BN * 128);
 
-  float dk[DT][4], dv[VT][4];
+  float dk[DT][4], dv[DT][4];
 #pragma unroll
   for (int di = 0; di < DT; ++di)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[di][e] = 0.0f;
 #pragma unroll
-  for (int di = 0; di < VT; ++di)
+  for (int di = 0; di < DT; ++di)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dv[di][e] = 0.0f;
 
@@ -359,7 +353,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       const uint64_t dq_k = DescAdd(desc_q_k, stage_off), ddo_k = DescAdd(desc_do_k, do_stage_off);
       WgmmaFence();
       IssueKMajorSS<T, kHalfM, D, BN, BM>(s[0], desc_k, dq_k);
-      IssueKMajorSS<T, kHalfM, Dv, BN, BM>(dp[0], desc_v, ddo_k);  // dP^T over v's head dim
+      IssueKMajorSS<T, kHalfM, D, BN, BM>(dp[0], desc_v, ddo_k);
     }
     const int row0 = cw * kHalfM;  // the warpgroup's first row of the step's 64
     const float* lse_s = slse + ps.stage * BM + row0;
@@ -396,26 +390,24 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     }
     FenceProxyAsyncShared();
     NamedBarrierSync(1, Tile::kConsumerThreads);  // both warpgroups' rows of P^T, dS^T are in place
-    float dq[kDqCols / 8][4];
+    float dq[DT][4];
     {
       const uint64_t ddo_mn = DescAdd(desc_do_mn, do_stage_off), dq_mn = DescAdd(desc_q_mn, stage_off);
       FenceRegs(dv);
       FenceRegs(dk);
       WgmmaFence();
-      if constexpr (kWgVCols > 0) {
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-          Wgmma<T, kWgVCols>::template SS<0, 1>(dv, DescAdd(desc_p, kk * 32), DescAdd(ddo_mn, kk * 2048), 1);
-      }
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<T, kWgCols>::template SS<0, 1>(dv, DescAdd(desc_p, kk * 32), DescAdd(ddo_mn, kk * 2048), 1);
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
         Wgmma<T, kWgCols>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
       WgmmaCommit();
       if constexpr (kDq) {
-        Wgmma<T, kDqCols>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
+        Wgmma<T, kWgCols>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
 #pragma unroll
         for (int kk = 1; kk < BN / 16; ++kk)
-          Wgmma<T, kDqCols>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+          Wgmma<T, kWgCols>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
         WgmmaCommit();
         WgmmaWait<1>();  // dV, dK have landed: the Q / dO stage is free (dQ reads K and dS^T only)
       } else {
@@ -428,21 +420,15 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
     if constexpr (kDq) {
       WgmmaWait<0>();
       FenceRegs(dq);
-      // In rounds of Tile::kDqStagedBoxes boxes (D 192: one round a step).
-      constexpr int kBoxes = kDqCols / 32, kStaged = Tile::kDqStagedBoxes;
 #pragma unroll
-      for (int j0 = 0; j0 < kBoxes; j0 += kStaged) {
-        BulkWaitRead();  // the last reduce-adds have read the buffer (only wtid 0 has bulk groups)
+      for (int j = 0; j < kWgCols / 32; ++j) {
+        BulkWaitRead();  // the last reduce-add has read the buffer (only wtid 0 has bulk groups)
         NamedBarrierSync(3 + cw, 128);
-#pragma unroll
-        for (int j = j0; j < j0 + kStaged && j < kBoxes; ++j)
-          StoreDqBox32(dq_buf + (j - j0) * Tile::kDqBytes, wwarp, g, t, dq, j, bp.scale);
+        StoreDqBox32(dq_buf, wwarp, g, t, dq, j, bp.scale);
         FenceProxyAsyncShared();
-        NamedBarrierSync(3 + cw, 128);  // the boxes are in dq_buf
+        NamedBarrierSync(3 + cw, 128);  // the box is in dq_buf
         if (wtid == 0) {
-#pragma unroll
-          for (int j = j0; j < j0 + kStaged && j < kBoxes; ++j)
-            TmaReduceAdd4d(&p.dq_map, dq_buf + (j - j0) * Tile::kDqBytes, 0, dq_col0 / 32 + j, head, rb);
+          TmaReduceAdd4d(&p.dq_map, dq_buf, 0, col0 / 32 + j, head, rb);
           BulkCommit();
         }
         __syncwarp();
@@ -466,10 +452,8 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   };
 #pragma unroll
   for (int di = 0; di < DT; ++di) stage(stage_k, di, dk[di], bp.scale);
-  if constexpr (kWgVCols > 0) {
 #pragma unroll
-    for (int di = 0; di < VT; ++di) stage(stage_v, di, dv[di], 1.0f);
-  }
+  for (int di = 0; di < DT; ++di) stage(stage_v, di, dv[di], 1.0f);
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
   if (wtid == 0) {
@@ -478,7 +462,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
 #pragma unroll
     for (int c = 2 * cw; c < 2 * cw + kWgCols / 64; ++c) TmaStore3d(src.dk, stage_k + c * (BN * 128), 64 * c, hk, src.row);
 #pragma unroll
-    for (int c = 2 * cw; c < 2 * cw + kWgVCols / 64; ++c) TmaStore3d(src.dv, stage_v + c * (BN * 128), 64 * c, hk, src.row);
+    for (int c = 2 * cw; c < 2 * cw + kWgCols / 64; ++c) TmaStore3d(src.dv, stage_v + c * (BN * 128), 64 * c, hk, src.row);
     BulkCommit();
     // Until the stores (and this thread's dQ reduce-adds) have read shared memory, not until they have
     // landed: the grid's end makes them visible to the next kernel (the dq convert), as CUTLASS's epilogues
@@ -832,24 +816,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<D, Dv>::kThreads, 1)
 
   // ------------------------------------------------------------------------------------------- consumers
   SetMaxRegsInc<Tile::kConsumerRegs>();
-  if constexpr (Tile::kRoles) {  // head dim 192: an early return, as for the split-D consumers below
+  // Head dims 192 and 256: their own consumers. Early returns rather than an else around the code below: that
+  // code is instantiated for them too but never reached (and dropped), and the D 64 / 128 kernels compile from
+  // exactly the source they had (an else block changed their register allocation).
+  if constexpr (Tile::kRoles) {
     BwdSm90RolesConsumer<T, D, Dv, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
     return;
-  }
-  if constexpr (Tile::kSplitD) {
-    // Head dims 192 and 256: the split-D consumers. An early return rather than an else around the code
-    // below: that code is instantiated for them too but never reached (and dropped), and the D 64 / 128
-    // kernels compile from exactly the source they had (an else block changed their register allocation).
-    // The warpgroup's column counts are template arguments (wgmma N and accumulator sizes): at D 192 the
-    // two warpgroups run different instantiations, a warp-uniform branch.
-    constexpr int kCols0 = Tile::kSplitCols0, kCols1 = Tile::kSplitCols1;
-    constexpr int kVCols0 = Tile::kSplitVCols0, kVCols1 = Tile::kSplitVCols1;
-    constexpr int kDqCols0 = Tile::kSplitDqCols0, kDqCols1 = Tile::kSplitDqCols1;
-    const int cw = wg - 1;
-    if ((kCols0 == kCols1 && kVCols0 == kVCols1 && kDqCols0 == kDqCols1) || cw == 0)
-      BwdSm90SplitDConsumer<T, D, Dv, kCols0, kVCols0, kDqCols0, kDq, kSoftcap>(p, smem, tile_addr, cw);
-    else
-      BwdSm90SplitDConsumer<T, D, Dv, kCols1, kVCols1, kDqCols1, kDq, kSoftcap>(p, smem, tile_addr, cw);
+  } else if constexpr (Tile::kSplitD) {
+    BwdSm90SplitDConsumer<T, D, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
     return;
   }
   constexpr int DT = D / 8;

@@ -285,9 +285,10 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   const int64_t tk1 = dims->tk;
   dims->tk += *tk2;  // the kernels' key space: concat(k, k2)
   if (auto err = CheckSizes(*dims); err.failure()) return err;
-  // Head dims 96, 192 and 256: the sm90 dK/dV kernel (at 192 and 256 the warpgroups split D) with dQ by TMA
-  // reduce-add, whatever MAGI_JAX_FFA_KERNEL says; checked before any allocation or kernel. deterministic=True
-  // has no kernel for them: the mma.sync dq kernel's tiles are sized for 64 and 128 (magi_jax pads 96 to 128).
+  // Head dims 96, 192 and 256: the sm90 dK/dV kernel (at 192 the warpgroups take roles, at 256 they split D)
+  // with dQ by TMA reduce-add, whatever MAGI_JAX_FFA_KERNEL says; checked before any allocation or kernel.
+  // deterministic=True has no kernel for them: the mma.sync dq kernel's tiles are sized for 64 and 128
+  // (magi_jax pads 96 to 128).
   if (auto err = CheckTypeAndDim(q.element_type(), dims->d); err.failure()) return err;
   const bool sm90_only = !HasMmaKernels(int(dims->d));
   if (sm90_only) {

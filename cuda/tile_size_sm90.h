@@ -149,29 +149,24 @@ struct FwdSm90Barriers {
 // Head dim 96: D 128's plan, the tiles' second chunk half filled (TMA's zeros past column 96, as the forward):
 // S^T and dP^T take six k16 steps, dV += P^T dO and dK += dS^T Q are wgmma N 96, dQ stays two N 64 halves
 // per warpgroup (its columns 96-127 are zeros, and the reduce-add stores nothing past column 96).
-// Head dim 192 (MLA's q / k): D 256's split on three chunks: warpgroup 0 holds columns [0, 128) of dK and dV,
-// warpgroup 1 [128, 192) (N 64; an N 96 half would start mid-chunk, which an MN-major operand's 128-byte
-// swizzle pattern cannot: cuda/NOTES.md); dQ the other way round, warpgroup 0 columns [0, 64) and warpgroup 1
-// [64, 192), so that each computes 5 and 4 of the step's 64-column GEMM blocks (dV, dK, dQ), not 6 and 3.
-// S^T and dP^T take twelve k16 steps in both.
-// Dv, v's head dim where it differs from D (MLA's 192 / 128): V and the dO stages at Dv columns, dP^T over Dv
-// (eight k16 steps), dV's Dv columns all in warpgroup 0 (kSplitVCols1 0: warpgroup 1 holds dK [128, 192) and
-// dQ [64, 192) alone, 3 of the step's blocks against warpgroup 0's 5: dK 2, dV 2, dQ 1).
+// Head dim 192 (MLA's q / k, v at 192 or 128): 64-key CTAs as D 256, but the warpgroups take roles a step
+// apart instead of halves of every GEMM (flash_bwd_sm90_kernel.h BwdSm90RolesConsumer): warpgroup 0 computes
+// S^T, dP^T for all 64 rows, the softmax and dV (registers: dV Dv / 2 + S^T, dP^T 32 + 32), warpgroup 1 dK and
+// dQ at N 192 (96 + 96). The two dS^T buffers alternate by step; warpgroup 1 alone stages dQ, its six boxes
+// at once (48 KB), and waits once a step for the last reduce-adds' read. Dv (v's head dim, MLA's 128): V and
+// the dO stages at Dv columns, dP^T over Dv, dV at N Dv.
 template <int D, int Dv = D>
 struct BwdSm90Tile {
-  static constexpr bool kSplitD = D > 128;
-  // kSplitD: the columns of dK and dV that consumer warpgroups 0 and 1 hold, from columns 0 and 128, and those
-  // of dQ, from columns 0 and kSplitDqCols0.
-  static constexpr int kSplitCols0 = 128, kSplitCols1 = D - 128;
-  static constexpr int kSplitVCols0 = Dv < 128 ? Dv : 128, kSplitVCols1 = Dv - kSplitVCols0;
-  static constexpr int kSplitDqCols0 = D == 192 ? 64 : 128, kSplitDqCols1 = D - kSplitDqCols0;
+  static constexpr bool kSplitD = D > 128;  // 64-key CTAs: D 256 splits the columns, D 192 the roles (kRoles)
+  static constexpr bool kRoles = D == 192;
   static constexpr int kBlockN = kSplitD ? 64 : 128;  // keys per CTA (kKBlock / kBlockN CTAs per slice list)
   static constexpr int kBlockM = 64;   // q rows per step
   static constexpr int kStages = 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
-  // Keys whose dK / dV rows a warpgroup holds (kSplitD: all of them, for half of the columns).
+  // Keys whose dK / dV rows a warpgroup holds (kSplitD: all of them; D 256 half of the columns each, D 192 dV
+  // in warpgroup 0 and dK in warpgroup 1).
   static constexpr int kKeysPerWarpgroup = kSplitD ? kBlockN : kBlockN / kConsumerWarpgroups;
   static constexpr int kChunks = (D + 63) / 64;
   static constexpr int kCols = kChunks * 64;  // a tile row in shared memory (D 96: as the forward's, zero-filled)
@@ -185,9 +180,10 @@ struct BwdSm90Tile {
   static constexpr uint32_t kVBytes = kBlockN * kVCols * 2;     // V, [kVChunks][kBlockN][64]
   static constexpr uint32_t kRowBytes = kBlockM * kCols * 2;    // one Q stage, [kChunks][kBlockM][64]
   static constexpr uint32_t kDoRowBytes = kBlockM * kVCols * 2; // one dO stage, [kVChunks][kBlockM][64]
-  // dS^T [kBlockN keys][kBlockM rows], swizzled. Three (kSplitD: two, P^T then dS^T): a warpgroup's dQ(i)
-  // is issued one step late, beside dK / dV(i + 1), and the other warpgroup may still read dS^T(i) when
-  // this one writes dS^T(i + 2) (flash_bwd_sm90_kernel.h, the consumer loop).
+  // dS^T [kBlockN keys][kBlockM rows], swizzled. Three: a warpgroup's dQ(i) is issued one step late, beside
+  // dK / dV(i + 1), and the other warpgroup may still read dS^T(i) when this one writes dS^T(i + 2)
+  // (flash_bwd_sm90_kernel.h, the consumer loop). kSplitD: two (D 256 P^T then dS^T; D 192 dS^T of
+  // alternate steps).
   static constexpr uint32_t kDsBytes = kBlockN * kBlockM * 2;
   static constexpr int kDsBuffers = kSplitD ? 2 : 3;
   static constexpr uint32_t kKOffset = 0;
@@ -200,16 +196,13 @@ struct BwdSm90Tile {
   // dQ staging, one per consumer warpgroup: its 64 rows x 64 columns of fp32 dQ as the box of the dq_accum
   // tensor map (32 columns, 2 column chunks, 1 head, 64 rows: 128-byte lines ordered (row, chunk)) in the
   // 128-byte swizzle, read by the TMA reduce-add.
-  // kSplitD: 64 rows x 32 columns (the box (32, 1, 1, 64)), the warpgroup's 128 columns in four boxes.
+  // kSplitD: 64 rows x 32 columns (the box (32, 1, 1, 64)); D 256: the warpgroup's 128 columns in four boxes.
   static constexpr int kDqBoxCols = kSplitD ? 32 : 64;
   static constexpr uint32_t kDqBytes = kBlockM * kDqBoxCols * 4;
-  // Boxes a warpgroup stages at once: at D 192 all of a step's (up to 4, 32 KB), so that a step waits once for
-  // the last reduce-adds' read of the buffer (issued a step before), not once per box behind the box just
-  // issued (-16% of the MLA backward, BENCHMARKS.md 2026-12-06 14:03 UTC); at D 256 one (shared memory full).
-  // kRoles (D 192): the warpgroups take roles, a step apart (flash_bwd_sm90_kernel.h BwdSm90RolesConsumer):
-  // warpgroup 0 S^T, dP^T, the softmax and dV, warpgroup 1 dK and dQ, whose six boxes it alone stages, all
-  // at once (48 KB); the two dS^T buffers alternate by step.
-  static constexpr bool kRoles = D == 192;
+  // Boxes a warpgroup stages at once: at D 192 all of a step's six (warpgroup 1's alone, 48 KB), so that a
+  // step waits once for the last reduce-adds' read of the buffer (issued a step before), not once per box
+  // behind the box just issued (-16% of the MLA backward, BENCHMARKS.md 2026-12-06 14:03 UTC); at D 256 one
+  // per warpgroup (shared memory full).
   static constexpr int kDqStagedBoxes = kRoles ? D / kDqBoxCols : 1;
   static constexpr uint32_t kDqStageBytes = kDqStagedBoxes * kDqBytes;
   static constexpr uint32_t kDqOffset = kDsOffset + kDsBuffers * kDsBytes;
@@ -222,7 +215,7 @@ struct BwdSm90Tile {
   static_assert(kDsOffset % 1024 == 0 && kDqOffset % 1024 == 0, "swizzle atoms are 1024-byte aligned");
   static_assert(kStages * kRowBytes >= kKvBytes && kStages * kDoRowBytes >= kVBytes,
                 "dK / dV are staged in the Q / dO rings for the TMA store");
-  static_assert(Dv == D || (kSplitD && Dv % 64 == 0 && Dv <= 128), "a smaller v: the split-D plan, whole chunks");
+  static_assert(Dv == D || (kRoles && Dv == 128), "a v head dim of its own: MLA's 192 / 128");
   static_assert(kSmemBytes <= 227 * 1024, "fits one CTA per SM");
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kSetMaxNRegPool(kThreads),
                 "setmaxnreg.inc waits forever for registers beyond the CTA's pool");
