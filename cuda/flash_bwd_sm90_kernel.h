@@ -279,7 +279,7 @@ MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const fl
     }
 }
 
-template <typename T, int D, bool kDq, bool kSoftcap>
+template <typename T, int D, bool kSoftcap>
 MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
   using Tile = BwdSm90Tile<D>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
@@ -403,36 +403,30 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       for (int kk = 0; kk < BM / 16; ++kk)
         Wgmma<T, kWgCols>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
       WgmmaCommit();
-      if constexpr (kDq) {
-        Wgmma<T, kWgCols>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
+      Wgmma<T, kWgCols>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
 #pragma unroll
-        for (int kk = 1; kk < BN / 16; ++kk)
-          Wgmma<T, kWgCols>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
-        WgmmaCommit();
-        WgmmaWait<1>();  // dV, dK have landed: the Q / dO stage is free (dQ reads K and dS^T only)
-      } else {
-        WgmmaWait<0>();
-      }
+      for (int kk = 1; kk < BN / 16; ++kk)
+        Wgmma<T, kWgCols>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+      WgmmaCommit();
+      WgmmaWait<1>();  // dV, dK have landed: the Q / dO stage is free (dQ reads K and dS^T only)
       FenceRegs(dv);
       FenceRegs(dk);
       MbarArriveIf(&bars.row_empty[ps.stage], wtid == 0);
     }
-    if constexpr (kDq) {
-      WgmmaWait<0>();
-      FenceRegs(dq);
+    WgmmaWait<0>();
+    FenceRegs(dq);
 #pragma unroll
-      for (int j = 0; j < kWgCols / 32; ++j) {
-        BulkWaitRead();  // the last reduce-add has read the buffer (only wtid 0 has bulk groups)
-        NamedBarrierSync(3 + cw, 128);
-        StoreDqBox32(dq_buf, wwarp, g, t, dq, j, bp.scale);
-        FenceProxyAsyncShared();
-        NamedBarrierSync(3 + cw, 128);  // the box is in dq_buf
-        if (wtid == 0) {
-          TmaReduceAdd4d(&p.dq_map, dq_buf, 0, col0 / 32 + j, head, rb);
-          BulkCommit();
-        }
-        __syncwarp();
+    for (int j = 0; j < kWgCols / 32; ++j) {
+      BulkWaitRead();  // the last reduce-add has read the buffer (only wtid 0 has bulk groups)
+      NamedBarrierSync(3 + cw, 128);
+      StoreDqBox32(dq_buf, wwarp, g, t, dq, j, bp.scale);
+      FenceProxyAsyncShared();
+      NamedBarrierSync(3 + cw, 128);  // the box is in dq_buf
+      if (wtid == 0) {
+        TmaReduceAdd4d(&p.dq_map, dq_buf, 0, col0 / 32 + j, head, rb);
+        BulkCommit();
       }
+      __syncwarp();
     }
     ps.Advance();
   }
@@ -486,7 +480,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
 // Named barriers ready(i) kReady + i % 2 and consumed(i) kConsumed + i % 2 (warpgroup 1 arrives for steps -2
 // and -1 at its start, warpgroup 0 syncs for the last two steps at its end: every barrier completes).
 // Registers per thread: warpgroup 0 dV Dv / 2 + S^T, dP^T 32 + 32 + fragments; warpgroup 1 dK 96 + dQ 96.
-template <typename T, int D, int Dv, bool kDq, bool kSoftcap>
+template <typename T, int D, int Dv, bool kSoftcap>
 MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
   using Tile = BwdSm90Tile<D, Dv>;
   constexpr int BN = Tile::kBlockN, BM = Tile::kBlockM, kStages = Tile::kStages;
@@ -633,37 +627,29 @@ MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, 
       for (int kk = 0; kk < BM / 16; ++kk)
         Wgmma<T, D>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
       WgmmaCommit();
-      if constexpr (kDq) {
-        Wgmma<T, D>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
+      Wgmma<T, D>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
 #pragma unroll
-        for (int kk = 1; kk < BN / 16; ++kk)
-          Wgmma<T, D>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
-        WgmmaCommit();
-        WgmmaWait<1>();  // dK has landed: the Q stage is free (dQ reads K and dS^T only)
-      } else {
-        WgmmaWait<0>();
-      }
+      for (int kk = 1; kk < BN / 16; ++kk)
+        Wgmma<T, D>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+      WgmmaCommit();
+      WgmmaWait<1>();  // dK has landed: the Q stage is free (dQ reads K and dS^T only)
       FenceRegs(dk);
       MbarArriveIf(&bars.row_empty[ps.stage], wtid == 0);
-      if constexpr (kDq) {
-        WgmmaWait<0>();
-        FenceRegs(dq);
-      }
+      WgmmaWait<0>();
+      FenceRegs(dq);
       NamedBarrierArrive(kConsumed + (i & 1), Tile::kConsumerThreads);  // dS^T(i)'s buffer is free
-      if constexpr (kDq) {
-        BulkWaitRead();  // the last step's reduce-adds have read dq_buf (only wtid 0 has bulk groups)
-        NamedBarrierSync(4, 128);
+      BulkWaitRead();  // the last step's reduce-adds have read dq_buf (only wtid 0 has bulk groups)
+      NamedBarrierSync(4, 128);
 #pragma unroll
-        for (int j = 0; j < kBoxes; ++j) StoreDqBox32(dq_buf + j * Tile::kDqBytes, wwarp, g, t, dq, j, bp.scale);
-        FenceProxyAsyncShared();
-        NamedBarrierSync(4, 128);  // the boxes are in dq_buf
-        if (wtid == 0) {
+      for (int j = 0; j < kBoxes; ++j) StoreDqBox32(dq_buf + j * Tile::kDqBytes, wwarp, g, t, dq, j, bp.scale);
+      FenceProxyAsyncShared();
+      NamedBarrierSync(4, 128);  // the boxes are in dq_buf
+      if (wtid == 0) {
 #pragma unroll
-          for (int j = 0; j < kBoxes; ++j) TmaReduceAdd4d(&p.dq_map, dq_buf + j * Tile::kDqBytes, 0, j, head, rb);
-          BulkCommit();
-        }
-        __syncwarp();
+        for (int j = 0; j < kBoxes; ++j) TmaReduceAdd4d(&p.dq_map, dq_buf + j * Tile::kDqBytes, 0, j, head, rb);
+        BulkCommit();
       }
+      __syncwarp();
       ps.Advance();
     }
     // Epilogue: dK (x scale) into the Q ring.
@@ -819,11 +805,14 @@ __global__ void __launch_bounds__(BwdSm90Tile<D, Dv>::kThreads, 1)
   // Head dims 192 and 256: their own consumers. Early returns rather than an else around the code below: that
   // code is instantiated for them too but never reached (and dropped), and the D 64 / 128 kernels compile from
   // exactly the source they had (an else block changed their register allocation).
+  // Both always reduce-add dQ: these head dims have no deterministic dq kernel (launch_bwd_sm90.cu).
   if constexpr (Tile::kRoles) {
-    BwdSm90RolesConsumer<T, D, Dv, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
+    static_assert(kDq, "D 192 reduce-adds dQ");
+    BwdSm90RolesConsumer<T, D, Dv, kSoftcap>(p, smem, tile_addr, wg - 1);
     return;
   } else if constexpr (Tile::kSplitD) {
-    BwdSm90SplitDConsumer<T, D, kDq, kSoftcap>(p, smem, tile_addr, wg - 1);
+    static_assert(kDq, "D 256 reduce-adds dQ");
+    BwdSm90SplitDConsumer<T, D, kSoftcap>(p, smem, tile_addr, wg - 1);
     return;
   }
   constexpr int DT = D / 8;

@@ -162,6 +162,9 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
     return cudaErrorNotSupported;
   // v of its own head dim: one key source, dQ by reduce-adds, no GQA split (the handler refuses the rest).
   if (Dv != D && (two || !reduce_dq || p.dk_accum != nullptr)) return cudaErrorInvalidValue;
+  // Head dims without mma.sync kernels (96, 192, 256) have no deterministic dq kernel to pair with: dQ is
+  // always reduce-added here, and only those instantiations are compiled.
+  if (!HasMmaKernels(D) && !reduce_dq) return cudaErrorInvalidValue;
   if (two && (split.row % Tile::kBlockN != 0 || split.row > p.slices.tk || !Aligned16(split.k2) ||
               !Aligned16(split.v2) || !Aligned16(split.dk2) || !Aligned16(split.dv2)))
     return cudaErrorNotSupported;
@@ -212,10 +215,12 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   // MAGI_JAX_SM90_BWD_STAGGER=0: both consumer warpgroups start their walk together.
   sp.stagger = EnvEquals("MAGI_JAX_SM90_BWD_STAGGER", "0") ? 0 : 1;
   const bool softcap = p.softcap > 0.0f;
-  auto kernel = reduce_dq ? (softcap ? FlashBwdSm90Kernel<T, D, true, true, false, Dv>
-                                     : FlashBwdSm90Kernel<T, D, true, false, false, Dv>)
-                          : (softcap ? FlashBwdSm90Kernel<T, D, false, true, false, Dv>
-                                     : FlashBwdSm90Kernel<T, D, false, false, false, Dv>);
+  auto kernel = softcap ? FlashBwdSm90Kernel<T, D, true, true, false, Dv>
+                        : FlashBwdSm90Kernel<T, D, true, false, false, Dv>;
+  if constexpr (HasMmaKernels(D))
+    if (!reduce_dq)
+      kernel = softcap ? FlashBwdSm90Kernel<T, D, false, true, false, Dv>
+                       : FlashBwdSm90Kernel<T, D, false, false, false, Dv>;
   if constexpr (D == 128 && Dv == D)  // BwdSm90GqaSplit: D 128 with reduce_dq only
     if (gqa)
       kernel = softcap ? FlashBwdSm90Kernel<T, D, true, true, true> : FlashBwdSm90Kernel<T, D, true, false, true>;
