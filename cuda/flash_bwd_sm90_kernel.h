@@ -467,7 +467,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
 
 // ------------------------------------------------------------------------------------- head dim 192 (kRoles)
 // The consumers of BwdSm90Tile<192, Dv> (tile_size_sm90.h): the CTA owns 64 keys and the warpgroups take
-// roles, a step apart, rather than halves of every GEMM (the split-D consumers above: both warpgroups in step,
+// roles, a step apart, rather than halves of every GEMM (as D 256's split-D consumers above: both in step,
 // the tensor cores idle through both softmaxes). Warpgroup 0 computes S^T, dP^T for the step's 64 rows (wgmma
 // N 64, as D 128's warpgroups do for theirs), the mask, P^T, dS^T, writes dS^T (bf16) into buffer i % 2 and
 // accumulates dV += P^T dO from registers (RS, N Dv); warpgroup 1 takes dS^T(i) from there and accumulates dK

@@ -78,10 +78,10 @@ def test_smoke_head_dim_256_forward(d):
 
 @pytest.mark.parametrize("d", [192, 256])
 def test_smoke_head_dim_256_backward(d):
-    # The D 256 backward (64-key CTAs, the warpgroups split D, dQ by TMA reduce-add; at 192 warpgroup 1 holds
-    # 64 columns) against the float64 reference on the smoke mask: 7 CTAs of 64 keys per kv head (400 = 6 x 64
-    # + 16), two per k-block list. A hang here: cuda/NOTES.md (D 256 backward) debugging hints (barriers 1 / 5,
-    # row_empty's 2 arrivals).
+    # The D 192 / 256 backward (64-key CTAs, dQ by TMA reduce-add; at 256 the warpgroups split D, at 192 they
+    # take roles a step apart) against the float64 reference on the smoke mask: 7 CTAs of 64 keys per kv head
+    # (400 = 6 x 64 + 16), two per k-block list. A hang here: cuda/NOTES.md (D 256 backward) debugging hints
+    # (barriers 1 / 5, row_empty's 2 arrivals; at 192 the ready / consumed barriers 6-9).
     mask = AttnMask([[0, 300], [100, 333]], [[0, 300], [250, 400]], [1, 0], 333, 400)
     run_case(mask, hq=4, hkv=2, d=d, seed=d + 2)
 
