@@ -1,6 +1,7 @@
 """cuda/tools/sass_samples.py on a made-up Nsight Compute source page, cuda/tools/sass_path.py on a made-up
 SASS listing, cuda/tools/sched_sim.py's backward model, cuda/tools/tile_waste.py's forward walks on small
-masks and cuda/tools/power_probe.py on made-up nvidia-smi samples: no GPU needed."""
+masks, cuda/tools/power_probe.py on made-up nvidia-smi samples and cuda/tools/ptx_same.py on made-up PTX: no GPU
+needed."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "cuda" / "tools"))
 from ncu_csv import kept, launches  # noqa: E402
 from power_probe import parse_samples, summarize  # noqa: E402
+from ptx_same import compare  # noqa: E402
 from sass_path import kernel_listing, walk  # noqa: E402
 from sass_samples import instruction_class, summary  # noqa: E402
 from sched_sim import bwd_makespans, kv_block_work  # noqa: E402
@@ -168,3 +170,24 @@ def test_ncu_csv_keeps_every_third_launch_of_several_cases():
     got = kept(launches(text), 3)
     assert got == [{"sm__cycles_elapsed.max": "1002123", "smsp__inst_executed.sum": "52"},
                    {"sm__cycles_elapsed.max": "1005123", "smsp__inst_executed.sum": "55"}]
+
+
+def _ptx(kernels: dict[str, list[str]], first_label: int) -> str:
+    """A made-up PTX unit: each kernel a branch to its own label, numbered across the unit as nvcc does."""
+    text, n = "//\n.version 8.8\n", first_label
+    for name, body in kernels.items():
+        text += f"\t// .globl\t{name}\n.visible .entry {name}(\n)\n{{\n"
+        text += "".join(f"\t{line}\n" for line in body)
+        text += f"\t@%p1 bra \t$L__BB{n}_2;\nWAIT_{n}:\n\tbra WAIT_{n};\n$L__BB{n}_2:\n\tret;\n}}\n"
+        n += 1
+    return text
+
+
+def test_ptx_same_renumbers_labels_and_finds_a_changed_kernel():
+    body = ["mul.f32 %f1, %f2, %f3;"]
+    before = _ptx({"dead": ["mov.u32 %r1, 0;"], "kept": body, "changed": body}, first_label=0)
+    after = _ptx({"kept": body, "changed": ["mul.f32 %f1, %f3, %f2;"]}, first_label=7)
+    result = compare(before, after)
+    # "kept" is the second kernel before and the first after: its labels' numbers differ, its code does not.
+    assert result == {"same": ["kept"], "differ": ["changed"], "added": [], "removed": ["dead"]}
+    assert compare(before, before)["same"] == ["dead", "kept", "changed"]
