@@ -279,6 +279,18 @@ MAGI_DEV void StoreDqBox32(unsigned char* buf, int wwarp, int g, int t, const fl
     }
 }
 
+// Thread (g, t) of warp w's part of a 64-row C fragment: columns col, col + 1 (col = 8 di + 2 t) of rows r and
+// r + 8 (r = 16 w + g, plus the fragment's first row), scaled and packed to T, into a [chunks][BN rows][64]
+// tile in the 128-byte swizzle from chunk chunk0: the epilogues stage dK, dV so for their TMA stores.
+template <typename T, int BN>
+MAGI_DEV void StageCFragment(unsigned char* buf, int chunk0, int r, int col, const float (&c)[4], float scale) {
+  const int chunk = chunk0 + col / 64;
+  const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64);
+  const uint32_t o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
+  *reinterpret_cast<uint32_t*>(buf + o0) = Elem<T>::Pack(c[0] * scale, c[1] * scale);
+  *reinterpret_cast<uint32_t*>(buf + o1) = Elem<T>::Pack(c[2] * scale, c[3] * scale);
+}
+
 template <typename T, int D, bool kSoftcap>
 MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem, uint32_t tile_addr, int cw) {
   using Tile = BwdSm90Tile<D>;
@@ -437,17 +449,12 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   NamedBarrierSync(2, Tile::kConsumerThreads);
   unsigned char* stage_k = sq;
   unsigned char* stage_v = sdo;
-  // Thread (g, t) of warp w: rows 16 w + g (+ 8), columns 8 di + 2 t (+ 1) of the warpgroup's chunks from 2 cw.
-  auto stage = [&](unsigned char* buf, int di, const float (&c)[4], float scale) {
-    const int col = di * 8 + 2 * t, chunk = 2 * cw + col / 64, r = wwarp * 16 + g;
-    const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
-    *reinterpret_cast<uint32_t*>(buf + o0) = Elem<T>::Pack(c[0] * scale, c[1] * scale);
-    *reinterpret_cast<uint32_t*>(buf + o1) = Elem<T>::Pack(c[2] * scale, c[3] * scale);
-  };
+  // The warpgroup's chunks, from 2 cw.
 #pragma unroll
-  for (int di = 0; di < DT; ++di) stage(stage_k, di, dk[di], bp.scale);
+  for (int di = 0; di < DT; ++di)
+    StageCFragment<T, BN>(stage_k, 2 * cw, wwarp * 16 + g, di * 8 + 2 * t, dk[di], bp.scale);
 #pragma unroll
-  for (int di = 0; di < DT; ++di) stage(stage_v, di, dv[di], 1.0f);
+  for (int di = 0; di < DT; ++di) StageCFragment<T, BN>(stage_v, 2 * cw, wwarp * 16 + g, di * 8 + 2 * t, dv[di], 1.0f);
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
   if (wtid == 0) {
@@ -592,12 +599,7 @@ MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, 
     // [chunks][64 keys][64], 128-byte swizzle.
     NamedBarrierSync(2, Tile::kConsumerThreads);
 #pragma unroll
-    for (int di = 0; di < VT; ++di) {
-      const int col = di * 8 + 2 * t, chunk = col / 64, r = wwarp * 16 + g;
-      const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
-      *reinterpret_cast<uint32_t*>(sdo + o0) = Elem<T>::Pack(dv[di][0], dv[di][1]);
-      *reinterpret_cast<uint32_t*>(sdo + o1) = Elem<T>::Pack(dv[di][2], dv[di][3]);
-    }
+    for (int di = 0; di < VT; ++di) StageCFragment<T, BN>(sdo, 0, wwarp * 16 + g, di * 8 + 2 * t, dv[di], 1.0f);
   } else {
     // dK += dS^T Q: A = dS^T K-major ([keys][rows]), B = the Q stage MN-major; dQ = dS K: A = dS^T MN-major,
     // B = K MN-major; both N 192.
@@ -655,12 +657,7 @@ MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, 
     // Epilogue: dK (x scale) into the Q ring.
     NamedBarrierSync(2, Tile::kConsumerThreads);
 #pragma unroll
-    for (int di = 0; di < DT; ++di) {
-      const int col = di * 8 + 2 * t, chunk = col / 64, r = wwarp * 16 + g;
-      const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
-      *reinterpret_cast<uint32_t*>(sq + o0) = Elem<T>::Pack(dk[di][0] * bp.scale, dk[di][1] * bp.scale);
-      *reinterpret_cast<uint32_t*>(sq + o1) = Elem<T>::Pack(dk[di][2] * bp.scale, dk[di][3] * bp.scale);
-    }
+    for (int di = 0; di < DT; ++di) StageCFragment<T, BN>(sq, 0, wwarp * 16 + g, di * 8 + 2 * t, dk[di], bp.scale);
   }
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
@@ -1100,12 +1097,9 @@ __global__ void __launch_bounds__(BwdSm90Tile<D, Dv>::kThreads, 1)
   unsigned char* stage_v = sdo;
 #pragma unroll
   for (int di = 0; di < DT; ++di) {
-    const int col = di * 8 + 2 * t, chunk = col / 64, r = cw * WK + wwarp * 16 + g;
-    const uint32_t o0 = chunk * (BN * 128) + Swizzle128B(r, col % 64), o1 = chunk * (BN * 128) + Swizzle128B(r + 8, col % 64);
-    *reinterpret_cast<uint32_t*>(stage_k + o0) = Elem<T>::Pack(dk[di][0] * bp.scale, dk[di][1] * bp.scale);
-    *reinterpret_cast<uint32_t*>(stage_k + o1) = Elem<T>::Pack(dk[di][2] * bp.scale, dk[di][3] * bp.scale);
-    *reinterpret_cast<uint32_t*>(stage_v + o0) = Elem<T>::Pack(dv[di][0], dv[di][1]);
-    *reinterpret_cast<uint32_t*>(stage_v + o1) = Elem<T>::Pack(dv[di][2], dv[di][3]);
+    const int r = cw * WK + wwarp * 16 + g, col = di * 8 + 2 * t;
+    StageCFragment<T, BN>(stage_k, 0, r, col, dk[di], bp.scale);
+    StageCFragment<T, BN>(stage_v, 0, r, col, dv[di], 1.0f);
   }
   FenceProxyAsyncShared();
   NamedBarrierSync(3 + cw, 128);
