@@ -151,6 +151,20 @@ struct BwdSm90Step {
 };
 constexpr int32_t kStepEnd = 4;  // no step: the walk is over (a row_full phase without data)
 
+// The 64-key consumers' read of a step record {first row, q head, flags}: lane 0's values, broadcast (a value
+// read from shared memory is not known to be warp-uniform: branching on it would make the wgmmas "divergent").
+MAGI_DEV void ReadStepRecord(const BwdSm90Step* step, int& rb, int& head, int& flags) {
+  uint32_t r, h, f;
+  [[maybe_unused]] uint32_t type;  // the record's fourth field, loaded with the others (one v4 load)
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r), "=r"(h), "=r"(f), "=r"(type)
+               : "r"(SmemAddr(step))
+               : "memory");
+  rb = __shfl_sync(0xffffffffu, int(r), 0);
+  head = __shfl_sync(0xffffffffu, int(h), 0);
+  flags = __shfl_sync(0xffffffffu, int(f), 0);
+}
+
 // Barrier region layout (Tile::kBarBytes): the mbarriers, then the steps, then per consumer warpgroup and
 // step parity the (q head, first row) of a dQ box, then the CTA's (k block, kv head) (kGqaSplit: (k block,
 // q head, kv head)).
@@ -348,16 +362,7 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
   for (;;) {
     MbarWait(&bars.row_full[ps.stage], ps.phase);
     int rb, head, flags;
-    {
-      uint32_t r, h, f, ty;  // {first row, q head, flags, type}; lane 0's values, broadcast
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(r), "=r"(h), "=r"(f), "=r"(ty)
-                   : "r"(SmemAddr(&steps[ps.stage]))
-                   : "memory");
-      rb = __shfl_sync(0xffffffffu, int(r), 0);
-      head = __shfl_sync(0xffffffffu, int(h), 0);
-      flags = __shfl_sync(0xffffffffu, int(f), 0);  // uniform: the wgmmas below must not look divergent
-    }
+    ReadStepRecord(&steps[ps.stage], rb, head, flags);
     if (flags & kStepEnd) break;
     const uint32_t stage_off = ps.stage * Tile::kRowBytes, do_stage_off = ps.stage * Tile::kDoRowBytes;
     float s[1][NT][4], dp[1][NT][4];
@@ -512,19 +517,6 @@ MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, 
   const float scale_log2 = (softcap ? 1.0f : bp.scale) * kLog2e;
   const int64_t k0 = int64_t(CtaTile(tile_addr, 0)) * BN;
 
-  // A stage's step record {first row, q head, flags}: lane 0's values, broadcast (uniform: the wgmmas below
-  // must not look divergent).
-  auto read_step = [&](int stage, int& rb, int& head, int& flags) {
-    uint32_t r, h, f, ty;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r), "=r"(h), "=r"(f), "=r"(ty)
-                 : "r"(SmemAddr(&steps[stage]))
-                 : "memory");
-    rb = __shfl_sync(0xffffffffu, int(r), 0);
-    head = __shfl_sync(0xffffffffu, int(h), 0);
-    flags = __shfl_sync(0xffffffffu, int(f), 0);
-  };
-
   MbarWait(&bars.kv_full, 0);
   PipeState<kStages> ps;
   int i = 0;  // the step
@@ -544,7 +536,7 @@ MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, 
     for (;; ++i) {
       MbarWait(&bars.row_full[ps.stage], ps.phase);
       int rb, head, flags;
-      read_step(ps.stage, rb, head, flags);
+      ReadStepRecord(&steps[ps.stage], rb, head, flags);
       if (flags & kStepEnd) break;
       const uint32_t q_off = ps.stage * Tile::kRowBytes, do_off = ps.stage * Tile::kDoRowBytes;
       WgmmaFence();
@@ -616,7 +608,7 @@ MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, 
     for (;; ++i) {
       MbarWait(&bars.row_full[ps.stage], ps.phase);
       int rb, head, flags;
-      read_step(ps.stage, rb, head, flags);
+      ReadStepRecord(&steps[ps.stage], rb, head, flags);
       if (flags & kStepEnd) break;
       NamedBarrierSync(kReady + (i & 1), Tile::kConsumerThreads);  // dS^T(i) is in buffer i % 2
       unsigned char* ds_buf = sds + (i & 1) * Tile::kDsBytes;
