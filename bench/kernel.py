@@ -13,7 +13,9 @@ call by ffa.py's vmap rule), `jax_nn` jax.nn.dot_product_attention itself (cuDNN
 grouped-query case with k and v repeated to the q heads (run as multi-head), `ffa_padded` causal_16k_d96 with q, k, v
 padded to head dim 128 and causal_16k_mla192_128 with them padded to 256 (as they ran before the kernels had
 head dims 96 and 192), `ffa_v_padded` causal_16k_mla192_128 with v padded to 192 (as it ran before the forward took
-v at 128). Every implementation's output (and dq)
+v at 128), `ffa_stage` the same as a distributed stage call runs it (K and V packed in one buffer, v padded to 192
+there and read at 128; the backward's keys the packed second source), `ffa_stage_v_padded` that with v read at 192 (as
+the stage calls ran before 2026-12-06's 42nd session). Every implementation's output (and dq)
 is compared with FFA's before it is timed. The last lines check the targets of the speed issue (ISSUE4_TARGETS).
 Prints a progress line per measurement and a table; appends the table to BENCHMARKS.md; writes JSON and the table to
 $OUT when set.
@@ -178,6 +180,39 @@ def ffa_padded(mask: AttnMask, kernel_dim: int, kernel_dim_v: int | None = None)
     return fn
 
 
+def ffa_stage(mask: AttnMask, v_padded: bool = False) -> Callable:
+    """FFA as the distributed layer's stage calls run it: K and V in one packed buffer [T, 2, Hkv, D] (v
+    zero-padded to D, as it travels), the forward reading V at v's own head dim (or, v_padded, at D: how MLA's
+    stage calls ran before they took v at 128), the backward with every key the packed second source."""
+    from magi_jax import ffa as ffa_mod
+    qr, kr, types_ = (jnp.asarray(a) for a in mask.kernel_args())
+
+    def fn(q, k, v):
+        q, k, v = q[0], k[0], v[0]
+        d, dv = k.shape[-1], v.shape[-1]
+        dv_kernel = d if v_padded else dv
+        scale = d ** -0.5
+
+        @jax.custom_vjp
+        def attn(q, kv):
+            return ffa_mod._fwd_call(q, kv, None, qr, kr, types_, scale, 0.0, head_dim_v=dv_kernel)[0]
+
+        def attn_fwd(q, kv):
+            out, lse = ffa_mod._fwd_call(q, kv, None, qr, kr, types_, scale, 0.0, head_dim_v=dv_kernel)
+            return out, (q, kv, out, lse)
+
+        def attn_bwd(res, dout):
+            q, kv, out, lse = res
+            none_k, none_v = jnp.zeros((0, *kv.shape[2:]), kv.dtype), jnp.zeros((0, kv.shape[2], dv_kernel), kv.dtype)
+            dq, _, _, dkv, _ = ffa_mod._bwd_call(q, none_k, none_v, out, dout, lse, jnp.zeros_like(lse), qr, kr,
+                                                 types_, scale, 0.0, False, k2=kv)
+            return dq, dkv
+
+        attn.defvjp(attn_fwd, attn_bwd)
+        return attn(q, jnp.stack([k, pad_last_axis(v, d)], axis=1))[None, ..., :dv]
+    return fn
+
+
 def ffa_vmap(batch: int, mask: AttnMask) -> Callable:
     """flex_flash_attn under jax.vmap over the case's tokens as [batch, T / batch], each element `mask`."""
     attn = jax.vmap(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask)[0])
@@ -312,7 +347,9 @@ def make_cases() -> list[Case]:
     cases.append(Case("causal_16k_mla192_128", masks.causal(16384), {
         "cudnn": lambda: cudnn_dense_causal_v_padded,
         "ffa_padded": lambda: ffa_padded(masks.causal(16384), 256),
-        "ffa_v_padded": lambda: ffa_padded(masks.causal(16384), 192, 192)}, head_dim=192, head_dim_v=128))
+        "ffa_v_padded": lambda: ffa_padded(masks.causal(16384), 192, 192),
+        "ffa_stage": lambda: ffa_stage(masks.causal(16384)),
+        "ffa_stage_v_padded": lambda: ffa_stage(masks.causal(16384), v_padded=True)}, head_dim=192, head_dim_v=128))
     return cases
 
 
@@ -422,7 +459,8 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_padded", "ffa_v_padded", "jax_nn", "cudnn",
+           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_padded", "ffa_v_padded", "ffa_stage",
+           "ffa_stage_v_padded", "jax_nn", "cudnn",
            "tokamax", "xla_dense")
 
 

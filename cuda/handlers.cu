@@ -149,6 +149,19 @@ cudaError_t CopyUnlessAliased(void* out, const void* in, size_t bytes, cudaStrea
   return out == in ? cudaSuccess : cudaMemcpyAsync(out, in, bytes, cudaMemcpyDeviceToDevice, stream);
 }
 
+// rows x heads x width bytes of [rows, heads, ...] tensors whose heads are pitch bytes apart and rows row_heads
+// heads apart (a second key source's rows, packed or not, to and from their concatenation with the first's).
+cudaError_t CopyHeads(void* dst, size_t dst_pitch, size_t dst_row_heads, const void* src, size_t src_pitch,
+                      size_t src_row_heads, size_t width, size_t heads, size_t rows, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  cudaMemcpy3DParms copy{};
+  copy.srcPtr = make_cudaPitchedPtr(const_cast<void*>(src), src_pitch, width, src_row_heads);
+  copy.dstPtr = make_cudaPitchedPtr(dst, dst_pitch, width, dst_row_heads);
+  copy.extent = make_cudaExtent(width, heads, rows);
+  copy.kind = cudaMemcpyDeviceToDevice;
+  return cudaMemcpy3DAsync(&copy, stream);
+}
+
 SliceArgs MakeSliceArgs(const FfaDims& dims, const ffi::Buffer<ffi::S32>& q_ranges,
                         const ffi::Buffer<ffi::S32>& k_ranges, const ffi::Buffer<ffi::S32>& types) {
   return {q_ranges.typed_data(), k_ranges.typed_data(), types.typed_data(), int(dims.num_slices), int(dims.tq),
@@ -162,6 +175,7 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
+  if (kv_packed) dims->dv = PackedVHeadDim(*out, dims->d);
   if (auto err = CheckForwardOut(*out, q, dims->dv); err.failure()) return err;
   if (auto err = CheckSizes(*dims); err.failure()) return err;
   if (sm_margin < 0) return ffi::Error::InvalidArgument("sm_margin: must be >= 0");
@@ -201,6 +215,7 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   p.v = kv_packed ? static_cast<const char*>(p.k) + dims->hkv * dims->d * ffi::ByteWidth(k.element_type())
                   : v.untyped_data();
   p.kv_row_heads = int(kv_packed ? 2 * dims->hkv : dims->hkv);
+  p.v_head_pitch = int(kv_packed ? dims->d : dims->dv);
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
   p.slices = args;
@@ -276,12 +291,13 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
   auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2, kv2_packed);
   if (tk2.has_error()) return tk2.error();
-  // v of its own head dim: MLA's 192 / 128 on the sm90 kernel (BwdSm90Tile's Dv), one key source.
+  // v of its own head dim: MLA's 192 / 128 on the sm90 kernel (BwdSm90Tile's Dv); a second key source then
+  // packed (its V heads D wide, V their first Dv columns).
   const bool v_apart = dims->dv != dims->d;
-  if (v_apart && (!(dims->d == 192 && dims->dv == 128) || *tk2 > 0))
+  if (v_apart && (!(dims->d == 192 && dims->dv == 128) || (*tk2 > 0 && !kv2_packed)))
     return ffi::Error::InvalidArgument("v: head_dim " + std::to_string(dims->dv) + " differs from q's " +
                                        std::to_string(dims->d) + "; the CUDA backward takes v at q's head dim, or "
-                                       "192 with 128 and no second key source");
+                                       "192 with 128 and a second key source only packed");
   const int64_t tk1 = dims->tk;
   dims->tk += *tk2;  // the kernels' key space: concat(k, k2)
   if (auto err = CheckSizes(*dims); err.failure()) return err;
@@ -376,6 +392,15 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                                        : cudaMemsetAsync(p.dq_accum, 0, accum_elems * 4, stream);
     if (err != cudaSuccess) return CudaFailure("dq accumulator", err);
   }
+  // dk2's V heads past v's head dim are padding: zeroed here, before the kernels (the memset covers the K
+  // heads' last columns too, which the kernels write after it).
+  if (v_apart && *tk2 > 0) {
+    const size_t bw = ffi::ByteWidth(k.element_type());
+    if (cudaError_t err = cudaMemset2DAsync(static_cast<char*>(dk2->untyped_data()) + dims->dv * bw, dims->d * bw, 0,
+                                            (dims->d - dims->dv) * bw, size_t(*tk2) * 2 * dims->hkv, stream);
+        err != cudaSuccess)
+      return CudaFailure("dk2 padding", err);
+  }
 
   // A second key source: the sm90 dK/dV kernel reads it and writes its gradients in place (KeySplit); every
   // other path (deterministic, mma.sync, a split row the kernel's CTAs cannot take) runs on concat(k, k2) in
@@ -415,9 +440,15 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         return e;
       return LaunchDqConvert<T>(p.dv_accum, static_cast<T*>(dv_out), int64_t(kv_accum_elems), stream);
     };
+    // The sm90 dK/dV kernel at v's head dim.
+    auto launch_sm90 = [&](bool reduce_dq, const KeySplit& keys) {
+      if constexpr (D == 192)
+        if (v_apart) return LaunchBwdDkDvSm90<T, 192, 128>(p, reduce_dq, sm90_order, stream, keys);
+      return LaunchBwdDkDvSm90<T, D>(p, reduce_dq, sm90_order, stream, keys);
+    };
     bool enqueued = false;  // dK, dV and dQ's reduce-adds, by the sm90 kernel on both key sources
     if (split.row >= 0 && sm90 && !deterministic) {
-      const cudaError_t err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream, split);
+      const cudaError_t err = launch_sm90(/*reduce_dq=*/true, split);
       if (err != cudaSuccess && err != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", err);
       enqueued = err == cudaSuccess;
       if (enqueued && gqa_split)
@@ -429,44 +460,42 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       gqa_split = false;
     }
     const bool concat = split.row >= 0 && !enqueued;
-    const size_t row_bytes = size_t(dims->hkv) * D * sizeof(T), bytes1 = size_t(tk1) * row_bytes,
-                 bytes2 = size_t(*tk2) * row_bytes;
-    const size_t pitch2 = kv2_packed ? 2 * row_bytes : row_bytes;  // between rows of k2, v2, dk2, dv2
+    // Bytes of a row of k (dk) and of v (dv); k2's heads are D wide, 2 Hkv a row when packed.
+    const size_t hkv = size_t(dims->hkv), head_bytes = D * sizeof(T), v_head_bytes = dims->dv * sizeof(T);
+    const size_t row_bytes = hkv * head_bytes, v_row_bytes = hkv * v_head_bytes;
+    const size_t row_heads2 = kv2_packed ? 2 * hkv : hkv, tk = size_t(dims->tk);
     if (concat) {
-      auto buf = Carver::Allocate(scratch, 4 * Carver::Round(bytes1 + bytes2));
+      auto buf = Carver::Allocate(scratch, 2 * Carver::Round(tk * row_bytes) + 2 * Carver::Round(tk * v_row_bytes));
       if (!buf.has_value())
         return ffi::Error(ffi::ErrorCode::kResourceExhausted, "magi_jax: no scratch memory for concat(k, k2)");
-      char* kc = buf->Take<char>(bytes1 + bytes2);
-      char* vc = buf->Take<char>(bytes1 + bytes2);
-      for (auto [dst, a, b] : {std::tuple{kc, p.k, split.k2}, {vc, p.v, split.v2}}) {
-        if (cudaError_t e = cudaMemcpyAsync(dst, a, bytes1, cudaMemcpyDeviceToDevice, stream); e != cudaSuccess)
+      char* kc = buf->Take<char>(tk * row_bytes);
+      char* vc = buf->Take<char>(tk * v_row_bytes);
+      for (auto [dst, a, b, width] :
+           {std::tuple{kc, p.k, split.k2, head_bytes}, {vc, p.v, split.v2, v_head_bytes}}) {
+        if (cudaError_t e = cudaMemcpyAsync(dst, a, tk1 * hkv * width, cudaMemcpyDeviceToDevice, stream);
+            e != cudaSuccess)
           return CudaFailure("concat(k, k2)", e);
-        if (cudaError_t e = cudaMemcpy2DAsync(dst + bytes1, row_bytes, b, pitch2, row_bytes, size_t(*tk2),
-                                              cudaMemcpyDeviceToDevice, stream);
+        if (cudaError_t e = CopyHeads(dst + tk1 * hkv * width, width, hkv, b, head_bytes, row_heads2, width, hkv,
+                                      size_t(*tk2), stream);
             e != cudaSuccess)
           return CudaFailure("concat(k, k2)", e);
       }
       p.k = kc;
       p.v = vc;
-      p.dk = buf->Take<char>(bytes1 + bytes2);
-      p.dv = buf->Take<char>(bytes1 + bytes2);
+      p.dk = buf->Take<char>(tk * row_bytes);
+      p.dv = buf->Take<char>(tk * v_row_bytes);
     }
     if (!enqueued) {
       if constexpr (!HasMmaKernels(D)) {
         // No mma.sync fallback (deterministic=True was refused above). No query rows: dk = dv = 0 (TMA needs
         // a non-empty q map).
         if (dims->tq == 0) {
-          const size_t kv_bytes = size_t(dims->tk) * row_bytes;
-          if (cudaError_t e = cudaMemsetAsync(p.dk, 0, kv_bytes, stream); e != cudaSuccess) return CudaFailure("dk", e);
-          if (cudaError_t e = cudaMemsetAsync(p.dv, 0, kv_bytes / D * dims->dv, stream); e != cudaSuccess)
+          if (cudaError_t e = cudaMemsetAsync(p.dk, 0, tk * row_bytes, stream); e != cudaSuccess)
+            return CudaFailure("dk", e);
+          if (cudaError_t e = cudaMemsetAsync(p.dv, 0, tk * v_row_bytes, stream); e != cudaSuccess)
             return CudaFailure("dv", e);
         } else {
-          cudaError_t err = cudaErrorNotSupported;
-          if constexpr (D == 192)
-            err = v_apart ? LaunchBwdDkDvSm90<T, 192, 128>(p, /*reduce_dq=*/true, sm90_order, stream)
-                          : LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream);
-          else
-            err = LaunchBwdDkDvSm90<T, D>(p, /*reduce_dq=*/true, sm90_order, stream);
+          const cudaError_t err = launch_sm90(/*reduce_dq=*/true, KeySplit{});
           if (err == cudaErrorNotSupported)
             return ffi::Error::InvalidArgument(
                 "q: head_dim " + std::to_string(D) + " runs on the sm90 (TMA) backward only, which needs q, k, v, "
@@ -482,7 +511,7 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
         // mma.sync dk/dv kernel runs.
         cudaError_t dkdv = cudaErrorNotSupported;
         if (sm90) {
-          dkdv = LaunchBwdDkDvSm90<T, D>(p, !deterministic, sm90_order, stream);
+          dkdv = launch_sm90(!deterministic, KeySplit{});
           if (dkdv != cudaSuccess && dkdv != cudaErrorNotSupported) return CudaFailure("dk/dv (sm90)", dkdv);
           // The split's dk, dv (cudaErrorNotSupported: the mma.sync kernel below writes them instead).
           if (gqa_split && dkdv == cudaSuccess)
@@ -502,11 +531,13 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
     if (concat) {
       const char* dkc = static_cast<const char*>(p.dk);
       const char* dvc = static_cast<const char*>(p.dv);
-      for (auto [src, a, b] : {std::tuple{dkc, dk->untyped_data(), split.dk2}, {dvc, dv->untyped_data(), split.dv2}}) {
-        if (cudaError_t e = cudaMemcpyAsync(a, src, bytes1, cudaMemcpyDeviceToDevice, stream); e != cudaSuccess)
+      for (auto [src, a, b, width] : {std::tuple{dkc, dk->untyped_data(), split.dk2, head_bytes},
+                                      {dvc, dv->untyped_data(), split.dv2, v_head_bytes}}) {
+        if (cudaError_t e = cudaMemcpyAsync(a, src, tk1 * hkv * width, cudaMemcpyDeviceToDevice, stream);
+            e != cudaSuccess)
           return CudaFailure("split dk, dk2", e);
-        if (cudaError_t e = cudaMemcpy2DAsync(b, pitch2, src + bytes1, row_bytes, row_bytes, size_t(*tk2),
-                                              cudaMemcpyDeviceToDevice, stream);
+        if (cudaError_t e = CopyHeads(b, head_bytes, row_heads2, src + tk1 * hkv * width, width, hkv, width, hkv,
+                                      size_t(*tk2), stream);
             e != cudaSuccess)
           return CudaFailure("split dk, dk2", e);
       }

@@ -84,8 +84,8 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
 // (the CTAs' longest-first tile order; a tile per q head in the GQA split). With p.dk_accum, p.dv_accum
 // given, the GQA split (below), which must apply to the call (else cudaErrorInvalidValue): dK, dV are added
 // into them, not written to p.dk, p.dv.
-// Dv: v's, dout's and dv's head dim (192 with 128 besides Dv = D: one key source, dQ by reduce-adds, no GQA
-// split, else cudaErrorInvalidValue).
+// Dv: v's, dout's and dv's head dim (192 with 128 besides Dv = D: dQ by reduce-adds, no GQA split, a second
+// key source only packed, else cudaErrorInvalidValue).
 int64_t BwdSm90ScratchInts(int64_t tk, int64_t hq);
 template <typename T, int D, int Dv = D>
 cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scratch, cudaStream_t stream,

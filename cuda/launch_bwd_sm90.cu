@@ -160,8 +160,9 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
   if (encode == nullptr || p.slices.tq == 0 || !Aligned16(p.q) || !Aligned16(p.dout) ||
       (first && (!Aligned16(p.k) || !Aligned16(p.v) || !Aligned16(p.dk) || !Aligned16(p.dv))))
     return cudaErrorNotSupported;
-  // v of its own head dim: one key source, dQ by reduce-adds, no GQA split (the handler refuses the rest).
-  if (Dv != D && (two || !reduce_dq || p.dk_accum != nullptr)) return cudaErrorInvalidValue;
+  // v of its own head dim: dQ by reduce-adds, no GQA split, a second source only packed (the handler refuses
+  // the rest).
+  if (Dv != D && ((two && split.row_heads == 0) || !reduce_dq || p.dk_accum != nullptr)) return cudaErrorInvalidValue;
   // Head dims without mma.sync kernels (96, 192, 256) have no deterministic dq kernel to pair with: dQ is
   // always reduce-added here, and only those instantiations are compiled.
   if (!HasMmaKernels(D) && !reduce_dq) return cudaErrorInvalidValue;
@@ -182,11 +183,12 @@ cudaError_t LaunchBwdDkDvSm90(const BwdParams& p, bool reduce_dq, int32_t* scrat
     return cudaErrorNotSupported;
   sp.split_row = INT_MAX;
   if (two && tk2 > 0) {
-    const int rh = split.row_heads;  // K and V packed side by side: a row stride of 2 Hkv heads
+    // K and V packed side by side: a row stride of 2 Hkv heads, each D wide (V and dV: its first Dv columns).
+    const int rh = split.row_heads;
     if (!EncodeMap<T>(encode, &sp.k2_map, split.k2, tk2, p.hkv, D, Tile::kBlockN, rh) ||
-        !EncodeMap<T>(encode, &sp.v2_map, split.v2, tk2, p.hkv, D, Tile::kBlockN, rh) ||
+        !EncodeMap<T>(encode, &sp.v2_map, split.v2, tk2, p.hkv, Dv, Tile::kBlockN, rh, D) ||
         !EncodeMap<T>(encode, &sp.dk2_map, split.dk2, tk2, p.hkv, D, Tile::kKeysPerWarpgroup, rh) ||
-        !EncodeMap<T>(encode, &sp.dv2_map, split.dv2, tk2, p.hkv, D, Tile::kKeysPerWarpgroup, rh))
+        !EncodeMap<T>(encode, &sp.dv2_map, split.dv2, tk2, p.hkv, Dv, Tile::kKeysPerWarpgroup, rh, D))
       return cudaErrorNotSupported;
     sp.split_row = tk;
   }

@@ -96,7 +96,8 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
   FwdSm90Params sp{};
   if (!EncodeMap<T>(encode, &sp.q_map, p.q, p.slices.tq, p.hq, D, Tile::kBlockM) ||
       !EncodeMap<T>(encode, &sp.k_map, k_base, kv_rows, kv_heads, D, Tile::kBlockN, kv_row_heads) ||
-      !EncodeMap<T>(encode, &sp.v_map, v_base, kv_rows, kv_heads, Dv, Tile::kBlockN, kv_row_heads) ||
+      !EncodeMap<T>(encode, &sp.v_map, v_base, kv_rows, kv_heads, Dv, Tile::kBlockN, kv_row_heads,
+                    no_keys ? D : p.v_head_pitch) ||
       !EncodeMap<T>(encode, &sp.out_map, p.out, p.slices.tq, p.hq, Dv, Tile::kRowsPerWarpgroup))
     return cudaErrorNotSupported;
   int device = 0, sms = 0;

@@ -33,6 +33,7 @@ struct FwdParams {
   BlockLists lists;  // q blocks of kQBlock rows
   int hq, hkv;
   int kv_row_heads;  // heads from one key's row of k (or v) to the next: hkv, or 2 hkv when K and V are packed
+  int v_head_pitch;  // elements from one head of v to the next: Dv, or D when packed (V: a head's first Dv)
   float scale, softcap;
   int sm_margin;  // SMs the persistent sm90 grid leaves to kernels beside it (a collective in flight)
   // An earlier call's out [Tq, Hq, D] (q's dtype) and lse [Tq, Hq] to merge with (epilogue.h
@@ -44,6 +45,8 @@ struct FwdParams {
 // A second key source for the sm90 backward (cuda/flash_bwd_sm90_kernel.h): keys [row, Tk) of the
 // problem are rows [0, Tk - row) of k2, v2, their gradients dk2, dv2 ([Tk - row, Hkv, D]); row < 0: none.
 // row_heads: heads from one row of them to the next (0: Hkv; 2 Hkv when K and V are packed side by side).
+// Their heads are D wide; where v has its own head dim Dv (MLA's 128 beside 192; packed only), V and dV are
+// each head's first Dv columns, and the handler zeroes dv2's others.
 struct KeySplit {
   const void *k2 = nullptr, *v2 = nullptr;
   void *dk2 = nullptr, *dv2 = nullptr;

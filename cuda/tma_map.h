@@ -32,12 +32,15 @@ constexpr CUtensorMapDataType kTmaType = std::is_same_v<T, __half> ? CU_TENSOR_M
                                                                    : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
 
 // A [t, h, d] tensor as (d, h, t), boxes of (64, 1, box_rows) in the 128-byte swizzle; zeros past the end.
-// row_heads: heads from one row to the next when a row holds more than the h mapped (K and V packed).
+// row_heads: heads from one row to the next when a row holds more than the h mapped (K and V packed);
+// head_pitch: elements from one head to the next when a head holds more than the d mapped (0: d; V of MLA's
+// 128 columns packed beside K's 192).
 template <typename T>
 inline bool EncodeMap(PFN_cuTensorMapEncodeTiled_v12000 encode, CUtensorMap* map, const void* base, int t, int h,
-                      int d, int box_rows, int row_heads = 0) {
+                      int d, int box_rows, int row_heads = 0, int head_pitch = 0) {
+  const cuuint64_t pitch = head_pitch > 0 ? head_pitch : d;
   const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(h), cuuint64_t(t)};
-  const cuuint64_t strides[2] = {cuuint64_t(d) * 2, cuuint64_t(row_heads > 0 ? row_heads : h) * d * 2};  // bytes
+  const cuuint64_t strides[2] = {pitch * 2, cuuint64_t(row_heads > 0 ? row_heads : h) * pitch * 2};  // bytes
   const cuuint32_t box[3] = {64, 1, cuuint32_t(box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   return encode(map, kTmaType<T>, 3, const_cast<void*>(base), dims, strides, box, elem_strides,

@@ -24,11 +24,12 @@ struct Params {
   float scale, softcap;
   std::vector<Slice> slices;
   int64_t kv_row_heads = 0;  // heads from one key's row of K (or V) to the next: hkv, 2 hkv when packed
+  int64_t v_head_pitch = 0;  // elements from one head of V to the next: dv, or d when packed
 };
 
 Params MakeParams(const FfaDims& dims, float scale, float softcap, const ffi::Buffer<ffi::S32>& q_ranges,
                   const ffi::Buffer<ffi::S32>& k_ranges, const ffi::Buffer<ffi::S32>& types) {
-  Params p{dims, scale, softcap, {}, dims.hkv};
+  Params p{dims, scale, softcap, {}, dims.hkv, dims.dv};
   p.slices.reserve(dims.num_slices);
   for (int64_t i = 0; i < dims.num_slices; ++i)
     p.slices.push_back(LoadSlice(q_ranges.typed_data(), k_ranges.typed_data(), types.typed_data(), i, dims.tq,
@@ -36,11 +37,13 @@ Params MakeParams(const FfaDims& dims, float scale, float softcap, const ffi::Bu
   return p;
 }
 
-// Rows [b, e) of head h of a [T, H, D] tensor, converted to float [e - b][D].
+// Rows [b, e) of head h of a [T, H, D] tensor, converted to float [e - b][D]; pitch: elements from one head to
+// the next where a head holds more than the d read (0: d).
 template <typename T>
-void LoadRows(const T* x, int64_t heads, int64_t d, int64_t h, int64_t b, int64_t e, float* dst) {
+void LoadRows(const T* x, int64_t heads, int64_t d, int64_t h, int64_t b, int64_t e, float* dst, int64_t pitch = 0) {
+  pitch = pitch > 0 ? pitch : d;
   for (int64_t r = b; r < e; ++r) {
-    const T* src = x + (r * heads + h) * d;
+    const T* src = x + (r * heads + h) * pitch;
     for (int64_t j = 0; j < d; ++j) dst[(r - b) * d + j] = ToFloat(src[j]);
   }
 }
@@ -147,7 +150,7 @@ void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, con
       for (int64_t c0 = kb; c0 < ke; c0 += kBlockK) {
         const int64_t nc = std::min(ke, c0 + kBlockK) - c0, mr = re - rb;
         LoadRowsTransposed(k, p.kv_row_heads, d, h / group, c0, c0 + nc, w.kt.data());
-        LoadRows(v, p.kv_row_heads, dv, h / group, c0, c0 + nc, w.v.data());
+        LoadRows(v, p.kv_row_heads, dv, h / group, c0, c0 + nc, w.v.data(), p.v_head_pitch);
         MatMul(w.q.data() + (rb - r0) * d, w.kt.data(), w.s.data(), int(mr), int(d), int(nc), false);
         MakeLogits(p, s, rb, mr, c0, nc, w.s.data());
         for (int64_t i = 0; i < mr; ++i) {  // online softmax update of row rb + i
@@ -355,11 +358,15 @@ ffi::Error FfaFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
+  if (kv_packed) dims->dv = PackedVHeadDim(*out, dims->d);
   if (auto err = CheckForwardOut(*out, q, dims->dv); err.failure()) return err;
   auto merge = CheckMergeInputs(*out, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
-  if (kv_packed) p.kv_row_heads = 2 * dims->hkv;
+  if (kv_packed) {
+    p.kv_row_heads = 2 * dims->hkv;
+    p.v_head_pitch = dims->d;
+  }
   return DispatchDtype(q.element_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* v_data = kv_packed ? Data<T>(k) + dims->hkv * dims->d : Data<T>(v);
@@ -384,8 +391,8 @@ ffi::Error FfaBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   if (auto err = CheckSameShape("dv", *dv, v); err.failure()) return err;
   auto tk2 = CheckSecondKeys(k, k2, v2, *dk2, *dv2, kv2_packed);
   if (tk2.has_error()) return tk2.error();
-  if (dims->dv != dims->d && *tk2 > 0)
-    return ffi::Error::InvalidArgument("k2: no second key source where v has its own head dim");
+  if (dims->dv != dims->d && *tk2 > 0 && !kv2_packed)
+    return ffi::Error::InvalidArgument("k2: where v has its own head dim, a second key source only packed");
   auto has_dq_in = CheckDqChain(q, dq_in, *dq, dq_f32, deterministic);
   if (has_dq_in.has_error()) return has_dq_in.error();
   auto has_delta = CheckDeltaIn(q, delta_in);
@@ -411,24 +418,30 @@ ffi::Error FfaBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
       return;
     }
     // Two key sources: the reference path runs on their concatenation. Packed: row r of k2 (dk2) holds K
-    // then V (dK then dV), `row` elements each.
-    const size_t row = size_t(dims->hkv * dims->d), n1 = size_t(tk1) * row, n = size_t(dims->tk) * row;
-    const size_t pitch = kv2_packed ? 2 * row : row;
-    T* dv2_data = kv2_packed ? Data<T>(dk2) + row : Data<T>(dv2);
-    const T* v2_data = kv2_packed ? Data<T>(k2) + row : Data<T>(v2);
-    std::vector<T> kc(n), vc(n), dkc(n), dvc(n);
-    std::copy(Data<T>(k), Data<T>(k) + n1, kc.begin());
-    std::copy(Data<T>(v), Data<T>(v) + n1, vc.begin());
+    // then V (dK then dV), hkv heads of d elements each; V (dV) is each V head's first dv (the rest of dk2's
+    // V heads zero).
+    const int64_t hkv = dims->hkv, d = dims->d, dv_dim = dims->dv, tk = dims->tk;
+    const int64_t pitch = (kv2_packed ? 2 : 1) * hkv * d;  // between rows of k2 (dk2)
+    T* dv2_data = kv2_packed ? Data<T>(dk2) + hkv * d : Data<T>(dv2);
+    const T* v2_data = kv2_packed ? Data<T>(k2) + hkv * d : Data<T>(v2);
+    std::vector<T> kc(tk * hkv * d), vc(tk * hkv * dv_dim), dkc(kc.size()), dvc(vc.size());
+    std::copy_n(Data<T>(k), tk1 * hkv * d, kc.begin());
+    std::copy_n(Data<T>(v), tk1 * hkv * dv_dim, vc.begin());
     for (int64_t r = 0; r < *tk2; ++r) {
-      std::copy_n(Data<T>(k2) + r * pitch, row, kc.begin() + n1 + r * row);
-      std::copy_n(v2_data + r * pitch, row, vc.begin() + n1 + r * row);
+      std::copy_n(Data<T>(k2) + r * pitch, hkv * d, kc.begin() + (tk1 + r) * hkv * d);
+      for (int64_t h = 0; h < hkv; ++h)
+        std::copy_n(v2_data + r * pitch + h * d, dv_dim, vc.begin() + ((tk1 + r) * hkv + h) * dv_dim);
     }
     backward(kc.data(), vc.data(), dkc.data(), dvc.data());
-    std::copy(dkc.begin(), dkc.begin() + n1, Data<T>(dk));
-    std::copy(dvc.begin(), dvc.begin() + n1, Data<T>(dv));
+    std::copy_n(dkc.begin(), tk1 * hkv * d, Data<T>(dk));
+    std::copy_n(dvc.begin(), tk1 * hkv * dv_dim, Data<T>(dv));
     for (int64_t r = 0; r < *tk2; ++r) {
-      std::copy_n(dkc.begin() + n1 + r * row, row, Data<T>(dk2) + r * pitch);
-      std::copy_n(dvc.begin() + n1 + r * row, row, dv2_data + r * pitch);
+      std::copy_n(dkc.begin() + (tk1 + r) * hkv * d, hkv * d, Data<T>(dk2) + r * pitch);
+      for (int64_t h = 0; h < hkv; ++h) {
+        T* dst = dv2_data + r * pitch + h * d;
+        std::copy_n(dvc.begin() + ((tk1 + r) * hkv + h) * dv_dim, dv_dim, dst);
+        std::fill(dst + dv_dim, dst + d, FromFloat<T>(0.0f));
+      }
     }
   });
 }

@@ -13,7 +13,9 @@
 // row (a group collective's receive buffer, [Tk, 2, Hkv, D], as is); v is the same array (only k is read).
 // Shapes: q/out/dout/dq [Tq, Hq, D]; k/v/dk/dv [Tk, Hkv, D]; lse and dlse (the cotangent of lse, used when
 // partial results are merged by lse) [Tq, Hq] float32; v may have its own head dim Dv: v / dv [Tk, Hkv, Dv],
-// out / dout [Tq, Hq, Dv] (not packed, no second key source; on CUDA D 192 with Dv 128, MLA's shapes);
+// out / dout [Tq, Hq, Dv] (on CUDA D 192 with Dv 128, MLA's shapes). Packed with Dv < D (out's head dim in
+// the forward, v's in the backward), V is each V head's first Dv columns and the rest padding: unread, and
+// zero in dk2;
 // ranges int32 [N, 2] (half-open); attn_type_map int32 [N] (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL).
 // q, k, v share one dtype (bf16, fp16, fp32); out and the gradients have the inputs' dtype.
 // Logits: scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0. Rows covered by several
@@ -123,6 +125,13 @@ inline ffi::ErrorOr<FfaDims> CheckFfaInputs(const ffi::AnyBuffer& q, const ffi::
     return ffi::Error::InvalidArgument("q_ranges/k_ranges must be [N, 2] and attn_type_map [N]");
   dims.num_slices = qr[0];
   return dims;
+}
+
+// Packed K and V (kv_packed): v's head dim is out's, V each V head's first Dv columns (D when out's is not a
+// head dim up to D, which CheckForwardOut then refuses).
+inline int64_t PackedVHeadDim(const ffi::AnyBuffer& out, int64_t d) {
+  auto od = out.dimensions();
+  return od.size() == 3 && od[2] > 0 && od[2] <= d ? od[2] : d;
 }
 
 // out (the forward's result, the backward's input): [Tq, Hq, Dv] in q's dtype.

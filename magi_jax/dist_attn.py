@@ -343,12 +343,12 @@ def _rows(slices, axis: str):
     return tuple(own_row(a, axis) for a in slices)
 
 
-def _fwd_call(cfg, q, k, v, slices, beside_transfer=False, prev=None):
+def _fwd_call(cfg, q, k, v, slices, beside_transfer=False, prev=None, head_dim_v=None):
     """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs.
     prev: the (out, lse) of the calls before, merged in by the kernel. v None: k is a receive buffer, K and V
-    packed [n, 2, Hkv, D]."""
+    packed [n, 2, Hkv, D], V the first head_dim_v columns of its heads."""
     return ffa._fwd_call(q, k, v, *_rows(slices, cfg.axis), cfg.scale, cfg.softcap,
-                         cfg.sm_margin if beside_transfer else 0, prev)
+                         cfg.sm_margin if beside_transfer else 0, prev, head_dim_v)
 
 
 def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, kv2=None, **dq_chain):
@@ -360,7 +360,9 @@ def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, kv2=None, **dq_chain):
 
 
 def _fetch(k, v, tabs: RunTables, cfg: _Config) -> list:
-    """Every stage's receive buffer, K and V packed [buffer_len, 2, Hkv, D]: one collective per stage."""
+    """Every stage's receive buffer, K and V packed [buffer_len, 2, Hkv, D]: one collective per stage. A v
+    narrower than k (MLA's 128 beside 192) travels zero-padded to D; the kernels read its first columns."""
+    v = ffa.pad_last_axis(v, k.shape[-1])
     return [group_cast((k, v), st.tables, cfg.axis, packed=True)[0] for st in tabs.stages]
 
 
@@ -373,12 +375,14 @@ def _forward(q, k, v, tabs: RunTables, cfg: _Config):
     last = len(recv) - 1
     out = _fwd_call(cfg, q, k, v, tabs.host, beside_transfer=bool(recv))
     for i, (st, kv) in enumerate(zip(tabs.stages, recv)):
-        out = _fwd_call(cfg, q, kv, None, st.slices, beside_transfer=i < last, prev=out)
+        out = _fwd_call(cfg, q, kv, None, st.slices, beside_transfer=i < last, prev=out, head_dim_v=v.shape[-1])
     return out
 
 
 def _concat_kv(k, v, recv):
-    return jnp.concatenate([k, *(kv[:, 0] for kv in recv)]), jnp.concatenate([v, *(kv[:, 1] for kv in recv)])
+    dv = v.shape[-1]
+    return (jnp.concatenate([k, *(kv[:, 0] for kv in recv)]),
+            jnp.concatenate([v, *(kv[:, 1, ..., :dv] for kv in recv)]))
 
 
 def _backward(cfg: _Config, res, cts):
@@ -391,14 +395,17 @@ def _add_partials(backs, tables, axis, local):
     """local (dK, dV of the local keys, the kernel's dtype) plus every stage's returned partials (dK and dV
     packed side by side), summed in float32 and rounded once. One stage whose partials travel in the
     kernel's dtype: added in place, touching only the rows that were sent; otherwise through a float32
-    accumulator."""
-    dtype = local[0].dtype
+    accumulator. A dV narrower than dK is summed padded as it travels (the padding zero) and cut after."""
+    dtype, dv_dim = local[0].dtype, local[1].shape[-1]
+    local = (local[0], ffa.pad_last_axis(local[1], local[0].shape[-1]))
     if len(backs) == 1 and backs[0][0].dtype == dtype:
-        return accumulate_partials(backs[0], tables[0], axis, init=local, packed=True)
-    acc = None
-    for back, t in zip(backs, tables):
-        acc = accumulate_partials(back, t, axis, local[0].shape[0], jnp.float32, init=acc, packed=True)
-    return tuple((a + x.astype(jnp.float32)).astype(dtype) for a, x in zip(acc, local))
+        dk, dv = accumulate_partials(backs[0], tables[0], axis, init=local, packed=True)
+    else:
+        acc = None
+        for back, t in zip(backs, tables):
+            acc = accumulate_partials(back, t, axis, local[0].shape[0], jnp.float32, init=acc, packed=True)
+        dk, dv = ((a + x.astype(jnp.float32)).astype(dtype) for a, x in zip(acc, local))
+    return dk, ffa.drop_head_dim_padding(dv, dv_dim)
 
 
 def _backward_body(cfg: _Config, res, cts):
@@ -433,13 +440,13 @@ def _backward_body(cfg: _Config, res, cts):
     # once (deterministic: each call's own dQ, summed here, since that kernel writes q's dtype). A stage
     # call's keys are its receive buffer alone: the second source of a call with no first one.
     # Every call shares one delta (computed once here, not by each call's pass over out and dout).
-    none = jnp.zeros((0, *k.shape[1:]), k.dtype)
+    none_k, none_v = jnp.zeros((0, *k.shape[1:]), k.dtype), jnp.zeros((0, *v.shape[1:]), v.dtype)
     delta = ffa.backward_delta(out, dout, dlse)
 
     def call(slices, dq, kv=None):
         """One staged call over the local keys, or over the receive buffer kv: (dq so far plus this call's,
         in float32) and the key gradients: (dk, dv) of the local keys, or (dkv,) packed."""
-        kk, vv = (k, v) if kv is None else (none, none)
+        kk, vv = (k, v) if kv is None else (none_k, none_v)
         chain = dict(delta=delta) if cfg.deterministic else dict(dq_in=dq, dq_f32=True, delta=delta)
         dq_i, dk_i, dv_i, *dkv = _bwd_call(cfg, q, kk, vv, out, dout, lse, dlse, slices, kv, **chain)
         if cfg.deterministic:
@@ -513,7 +520,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
 
     q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]: this rank's local buffers (L = plan.local_len), or with one
     leading batch dim [B, L, ...] (every batch element has the plan's mask). Head dims as flex_flash_attn's
-    (padded before the collectives, v to q's: K and V travel packed). Returns out [.., L, Hq, Dv] in q's
+    (MLA's v 128 beside q 192 computed at 128, padded only on the wire). Returns out [.., L, Hq, Dv] in q's
     dtype and lse [.., L, Hq] float32. Options: ``transport`` of the group collectives ("auto", "all_to_all",
     "ppermute"); ``reduce_wire_dtype``: dtype of dK/dV partials on the wire in the backward (default: the
     kernel's output dtype, i.e. q's; the sum is always float32); ``backward``: "staged" (default: one FFA
@@ -543,8 +550,9 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
         raise ValueError(f"q: batched plan tables of {jax.tree.leaves(tabs)[0].shape[0]} here need q [B, L, H, D] "
                          f"with that B, got shape {q.shape}")
     head_dim_v = v.shape[-1]
-    # Before the collectives (K and V travel packed, one head dim).
-    q, k, v = ffa.pad_head_dims(q, k, v, cfg.deterministic)
+    # Before the collectives; v at the kernels' own head dim for it (MLA's 128 beside 192: _fetch pads it
+    # only for the wire, where K and V travel packed).
+    q, k, v = ffa.pad_head_dims(q, k, v, cfg.deterministic, v_apart=True)
     if q.ndim == 3:
         out, lse = _attn(q, k, v, tabs, cfg)
     else:

@@ -251,18 +251,25 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
                  jnp.asarray(x, jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32) for x in arrays)
 
 
-def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0, prev=None):
+def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0, prev=None,
+              head_dim_v=None):
     """out, lse over the slices given; prev: (out, lse) of an earlier call over the same q and other keys
     (disjoint slices), merged in by the kernel and updated in place: the result is that of both calls'
     slices together. v None: k is K and V packed, [Tk, 2, Hkv, D] (a group collective's receive buffer),
-    read as is. out is [Tq, Hq, Dv], v's head dim (V_HEAD_DIMS: the pairs the GPU takes)."""
+    read as is; V is the first head_dim_v columns of its heads (default D: all). out is [Tq, Hq, Dv], v's
+    head dim (V_HEAD_DIMS: the pairs the GPU takes)."""
     kv_packed = v is None
     if kv_packed:
         if k.ndim != 4 or k.shape[1] != 2:
             raise ValueError(f"k: packed K and V must be [Tk, 2, Hkv, D], got {k.shape}")
+        head_dim_v = k.shape[-1] if head_dim_v is None else head_dim_v
+        if not 0 < head_dim_v <= k.shape[-1]:
+            raise ValueError(f"head_dim_v: must be in [1, {k.shape[-1]}] (k's head dim), got {head_dim_v}")
         k = k.reshape(k.shape[0], 2 * k.shape[2], k.shape[3])
         v = k
-    out_shape = (*q.shape[:2], v.shape[-1])
+    elif head_dim_v is not None:
+        raise ValueError("head_dim_v: only for packed K and V (v None); v's own head dim says it otherwise")
+    out_shape = (*q.shape[:2], head_dim_v if kv_packed else v.shape[-1])
     if prev is None:
         prev = (jnp.zeros((0,), q.dtype), jnp.zeros((0,), jnp.float32))
         aliases = None
@@ -436,7 +443,8 @@ def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, 
     """dq, dk, dv, dk2, dv2: the backward over the keys concat(k, k2) (k_ranges index them), without
     concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty). v2 None with k2: k2 is
     K and V packed [Tk2, 2, Hkv, D] (a group collective's receive buffer), and dk2 comes back packed the same
-    way, dK and dV side by side (dv2 None): one buffer for the partials' return.
+    way, dK and dV side by side (dv2 None): one buffer for the partials' return. Where v's head dim Dv is
+    below D (MLA's 192 / 128), V and dV are each packed V head's first Dv columns (dk2's others zero).
     A backward split into calls over disjoint key sets chains dQ in float32: dq_f32=True returns dq
     unrounded in float32, plus dq_in (float32, q's shape) when given; the next call takes it as dq_in and
     adds to it in place. Not with deterministic=True. Such calls share one delta = rowsum(dout * out) - dlse
@@ -450,6 +458,8 @@ def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, 
     if delta is not None and (delta.shape != q.shape[:2] or delta.dtype != jnp.float32):
         raise ValueError(f"delta: must be float32 [Tq, Hq] = {list(q.shape[:2])}, got {delta.dtype}{list(delta.shape)}")
     kv2_packed = k2 is not None and v2 is None
+    if k2 is not None and not kv2_packed and v.shape[-1] != k.shape[-1]:
+        raise ValueError(f"k2: with v of its own head dim {v.shape[-1]}, a second key source only packed (v2 None)")
     if k2 is None:
         k2 = v2 = jnp.zeros((0, *k.shape[1:]), k.dtype)
     elif kv2_packed:

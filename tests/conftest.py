@@ -84,12 +84,22 @@ def _kernel_args(mask: AttnMask, q):
 
 def _two_forward_calls(q, k, v, args, scale, cut: int, kv=None):
     """The distributed forward's two calls: slices [:cut] on k, v, then slices [cut:] merging into that
-    call's out and lse (ffa._fwd_call's prev); kv given: the second call reads K and V packed from it."""
+    call's out and lse (ffa._fwd_call's prev); kv given: the second call reads K and V packed from it (V the
+    first v.shape[-1] columns of its heads)."""
     from magi_jax import ffa
     qr, kr, types = args
     first = ffa._fwd_call(q, k, v, qr[:cut], kr[:cut], types[:cut], scale, 0.0)
-    kk, vv = (k, v) if kv is None else (kv, None)
-    return ffa._fwd_call(q, kk, vv, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
+    if kv is None:
+        return ffa._fwd_call(q, k, v, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first)
+    return ffa._fwd_call(q, kv, None, qr[cut:], kr[cut:], types[cut:], scale, 0.0, prev=first,
+                         head_dim_v=v.shape[-1])
+
+
+def _packed(k, v):
+    """K and V side by side per row, [T, 2, Hkv, D], as a group collective's receive buffer holds them (a v
+    narrower than k zero-padded to D, as the distributed layer sends it)."""
+    from magi_jax import ffa
+    return jnp.stack([k, ffa.pad_last_axis(v, k.shape[-1])], axis=1)
 
 
 def _backward_inputs(mask: AttnMask, q, k, v, seed: int):
@@ -99,7 +109,7 @@ def _backward_inputs(mask: AttnMask, q, k, v, seed: int):
     (qr, kr, types), scale = _kernel_args(mask, q)
     out, lse = ffa._fwd_call(q, k, v, qr, kr, types, scale, 0.0)
     rng = np.random.default_rng(seed)
-    dout = jnp.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    dout = jnp.asarray(rng.standard_normal(out.shape).astype(np.float32)).astype(q.dtype)
     dlse = jnp.asarray(rng.standard_normal(lse.shape).astype(np.float32))
     return (qr, kr, types), scale, (out, dout, lse, dlse)
 
@@ -107,8 +117,8 @@ def _backward_inputs(mask: AttnMask, q, k, v, seed: int):
 def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = False, packed: bool = False):
     """The FFA backward over keys concat(k[:split], k[split:]) both ways: one key array, and two key sources
     (ffa._bwd_call's k2, v2: the distributed backward's path; packed: k2 holds K and V side by side per row,
-    [Tk2, 2, Hkv, D], and dk2 dK and dV). Returns (dq, dk, dv) of each, float32 numpy, the two-source dk, dv
-    concatenated back."""
+    [Tk2, 2, Hkv, D], and dk2 dK and dV; a narrower v padded, dk2's padding checked zero). Returns (dq, dk,
+    dv) of each, float32 numpy, the two-source dk, dv concatenated back."""
     from magi_jax import ffa
     (qr, kr, types), scale, (out, dout, lse, dlse) = _backward_inputs(mask, q, k, v, seed=split)
     args = (q, k, v, out, dout, lse, dlse, qr, kr, types)
@@ -116,13 +126,16 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
 
     def two(q, k, v, *a):
         if not packed:
-            return ffa._bwd_call(q, k[:split], v[:split], *a, scale, 0.0, deterministic, k2=k[split:], v2=v[split:])
+            return (*ffa._bwd_call(q, k[:split], v[:split], *a, scale, 0.0, deterministic, k2=k[split:],
+                                   v2=v[split:]), jnp.zeros(0))
         dq, dk, dv, dkv2, dv2 = ffa._bwd_call(q, k[:split], v[:split], *a, scale, 0.0, deterministic,
-                                              k2=jnp.stack([k[split:], v[split:]], axis=1))
+                                              k2=_packed(k[split:], v[split:]))
         assert dv2 is None and dkv2.shape == (k.shape[0] - split, 2, *k.shape[1:])
-        return dq, dk, dv, dkv2[:, 0], dkv2[:, 1]
+        dv_dim = v.shape[-1]
+        return dq, dk, dv, dkv2[:, 0], dkv2[:, 1, ..., :dv_dim], dkv2[:, 1, ..., dv_dim:]
 
-    dq, dk, dv, dk2, dv2 = jax.jit(two)(*args)
+    dq, dk, dv, dk2, dv2, dv2_padding = jax.jit(two)(*args)
+    assert not np.any(np.asarray(dv2_padding, np.float32)), "dk2's V heads past v's head dim must be zero"
     as_np = lambda x: np.asarray(x, np.float32)
     return [as_np(x) for x in one], [as_np(dq), as_np(jnp.concatenate([dk, dk2])),
                                      as_np(jnp.concatenate([dv, dv2]))]
@@ -194,7 +207,7 @@ def packed_kv_forward(mask: AttnMask, q, k, v, cut: int):
     ((out, lse) separate, (out, lse) packed), numpy in the calls' dtypes."""
     args, scale = _kernel_args(mask, q)
     separate = jax.jit(lambda q, k, v: _two_forward_calls(q, k, v, args, scale, cut))(q, k, v)
-    packed = jax.jit(lambda q, k, v: _two_forward_calls(q, k, v, args, scale, cut, jnp.stack([k, v], axis=1)))(q, k, v)
+    packed = jax.jit(lambda q, k, v: _two_forward_calls(q, k, v, args, scale, cut, _packed(k, v)))(q, k, v)
     return [np.asarray(x) for x in separate], [np.asarray(x) for x in packed]
 
 

@@ -169,6 +169,28 @@ def test_drop_in_baselines_compute_the_cases_mask(kernel_bench, case_name):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=impl)
 
 
+@pytest.mark.parametrize("v_padded", [False, True])
+def test_stage_call_baseline_gives_ffas_output_and_gradients(kernel_bench, v_padded):
+    """ffa_stage (K and V packed as a distributed stage call reads them, v narrower than k): out and the
+    gradients of q, k, v those of FFA on separate arrays, on the CPU (a small causal mask, one head)."""
+    import jax
+    import jax.numpy as jnp
+
+    from magi_jax import masks
+    mask = masks.causal(200)
+    rng = np.random.default_rng(1)
+    q, k = (jnp.asarray(rng.standard_normal((1, 200, 1, 64)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, 200, 1, 40)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((1, 200, 1, 40)), jnp.float32)
+    want_fn, got_fn = kernel_bench.ffa(mask), kernel_bench.ffa_stage(mask, v_padded=v_padded)
+    for want, got in zip(jax.vjp(want_fn, q, k, v), jax.vjp(got_fn, q, k, v)):
+        if callable(want):
+            want, got = want(cot), got(cot)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+            assert a.shape == b.shape
+            np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
 def test_window_sweep_counts_the_key_tiles_of_each_walk():
     from bench import window_sweep as ws
     from magi_jax import masks

@@ -110,6 +110,26 @@ def test_stage_calls_run_at_the_kernels_head_dim(d, deterministic, kernel_dim):
     assert {e.invars[0].aval.shape[-1] for e in attn} == {kernel_dim}
 
 
+@pytest.mark.parametrize("backward, overlap", [("staged", 2), ("fused", 2), ("staged", 0)])
+def test_mla_computes_v_at_its_own_head_dim(backward, overlap):
+    # q, k 192 with v 100: every attention call computes v at 128 (ffa.V_HEAD_DIMS), the stage calls reading
+    # it from the packed receive buffers, where it travels zero-padded to 192; out and the gradients against
+    # the float64 reference.
+    mask = masks.varlen_causal(DOCS)
+    mp = mj.plan(mask, mesh_of(2), chunk_size=16, overlap=overlap, num_heads_q=2, head_dim=192)
+    rng = np.random.default_rng(10)
+    q, k, _ = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, 192)
+    v = jnp.asarray(rng.standard_normal((mask.total_seqlen_k, 2, 100)).astype(np.float32))
+    fn = global_fn(mp, backward=backward)
+    eqns = ffi_eqns(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v)[0]), argnums=(0, 1, 2)), q, k, v)
+    fwd = [e for e in eqns if e.params["target_name"] == "magi_jax_ffa_fwd"]
+    bwd = [e for e in eqns if e.params["target_name"] == "magi_jax_ffa_bwd"]
+    assert any(e.invars[1].aval.shape[1] == 2 * 2 for e in fwd) == (overlap > 0)  # packed k: [n, 2 Hkv, 192]
+    assert {e.outvars[0].aval.shape[-1] for e in fwd} == {128}           # out
+    assert {e.invars[3].aval.shape[-1] for e in bwd} == {128}            # out, as the backward reads it
+    check_against_reference(fn, mask, q, k, v, rng)
+
+
 def test_bf16_softcap_scale_and_wire_dtype():
     check_dist(masks.varlen_causal(DOCS), mesh_of(4), overlap=2, dtype=jnp.bfloat16, softcap=5.0,
                softmax_scale=0.2, reduce_wire_dtype=jnp.float32)

@@ -74,6 +74,14 @@ def test_bf16_head_dim_96_2gpu():
                chunk_size=128)
 
 
+@pytest.mark.parametrize("backward", ["staged", "fused"])
+def test_bf16_mla_2gpu(backward):
+    # MLA's q, k 192 with v 128: v computed at 128 in every call, the stage calls reading it from the packed
+    # receive buffers where it travels padded to 192 (the fused backward: 1024 local keys, then the fetched).
+    check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=2, hq=4, hkv=2, dtype=jnp.bfloat16, d=192, dv=128,
+               chunk_size=128, backward=backward)
+
+
 def test_fp16_head_dim_64_2gpu():
     check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=2, hq=4, hkv=2, dtype=jnp.float16, d=64,
                chunk_size=128)

@@ -65,14 +65,15 @@ def global_fn(mp, **options):
     return fn
 
 
-def check_dist(mask: AttnMask, mesh: Mesh, *, overlap=2, chunk_size=16, hq=2, hkv=2, d=64, dtype=np.float32,
-               seed=0, softmax_scale=None, softcap=0.0, **options):
+def check_dist(mask: AttnMask, mesh: Mesh, *, overlap=2, chunk_size=16, hq=2, hkv=2, d=64, dv=None,
+               dtype=np.float32, seed=0, softmax_scale=None, softcap=0.0, **options):
     """The global round trip on ``mesh`` against the float64 reference: out, lse, dq, dk, dv within the
-    tolerance rule. Returns the plan."""
+    tolerance rule (dv: v's own head dim, default d). Returns the plan."""
     mp = mj.plan(mask, mesh, chunk_size=chunk_size, overlap=overlap, num_heads_q=hq, num_heads_kv=hkv,
                  head_dim=d)
     rng = np.random.default_rng(seed)
     q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, hq, hkv, d, dtype)
+    v = v[..., :dv]
     fn = global_fn(mp, softmax_scale=softmax_scale, softcap=softcap, **options)
     check_against_reference(fn, mask, q, k, v, rng, softmax_scale, softcap)
     return mp

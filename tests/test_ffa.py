@@ -97,20 +97,21 @@ def test_mla_takes_v_at_its_own_head_dim_in_both_passes(deterministic):
                             mask, q, k, v, rng)
 
 
-def test_second_key_source_refused_where_v_has_its_own_head_dim():
-    # The custom call's second key source takes v2 as k2 (and dk2, dv2): v of its own head dim has none, whether
-    # v2 has v's head dim (unlike k2) or k2's (unlike v).
+def test_unpacked_second_key_source_refused_where_v_has_its_own_head_dim():
+    # An unpacked second key source takes v2 as k2 (and dk2, dv2): v of its own head dim has it only packed
+    # (V each head's first Dv columns), whether v2 has v's head dim (unlike k2) or k2's (unlike v).
     from magi_jax import ffa
     q, k, _ = random_qkv(np.random.default_rng(7), 100, 120, 4, 2, 64)
     v = k[..., :32]
     qr, kr, t = (jnp.asarray(a) for a in TWO_CALL_MASK.kernel_args())
     out, lse = ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0)
-    with pytest.raises(Exception, match="v2: shape or dtype differs from its pair"):
-        jax.block_until_ready(ffa._bwd_call(q, k[:60], v[:60], out, out, lse, lse, qr, kr, t, 0.125, 0.0, False,
-                                            k2=k[60:], v2=v[60:]))
-    with pytest.raises(Exception, match="k2: no second key source where v has its own head dim"):
-        jax.block_until_ready(ffa._bwd_call(q, k[:60], v[:60], out, out, lse, lse, qr, kr, t, 0.125, 0.0, False,
-                                            k2=k[60:], v2=k[60:]))
+    for v2 in (v[60:], k[60:]):
+        with pytest.raises(ValueError, match="^k2: with v of its own head dim 32, a second key source only packed"):
+            ffa._bwd_call(q, k[:60], v[:60], out, out, lse, lse, qr, kr, t, 0.125, 0.0, False, k2=k[60:], v2=v2)
+    with pytest.raises(ValueError, match=r"^head_dim_v: must be in \[1, 64\]"):
+        ffa._fwd_call(q, jnp.stack([k, k], axis=1), None, qr, kr, t, 0.125, 0.0, head_dim_v=80)
+    with pytest.raises(ValueError, match="^head_dim_v: only for packed K and V"):
+        ffa._fwd_call(q, k, v, qr, kr, t, 0.125, 0.0, head_dim_v=32)
 
 
 def test_softcap_and_scale():
@@ -339,14 +340,16 @@ def test_sm_margin_does_not_change_the_result():
 
 
 @pytest.mark.parametrize("split", [0, 37, 64, 100])
-@pytest.mark.parametrize("packed", [False, True])
-def test_backward_with_two_key_sources_equals_one(split, packed):
+@pytest.mark.parametrize("packed, dv", [(False, 64), (True, 64), (True, 40)])
+def test_backward_with_two_key_sources_equals_one(split, packed, dv):
     # The distributed backward passes its fetched keys as a second source instead of concatenating them
-    # (packed: K and V side by side per row, as fetched; dK and dV returned so); the gradients must be those
-    # of the concatenation (bitwise on the CPU, which concatenates internally).
+    # (packed: K and V side by side per row, as fetched; dK and dV returned so; a narrower v, MLA's, padded
+    # to k's head dim there); the gradients must be those of the concatenation (bitwise on the CPU, which
+    # concatenates internally).
     rng = np.random.default_rng(split)
     mask = AttnMask([[0, 40], [10, 70], [50, 90]], [[0, 60], [30, 100], [70, 100]], [1, 0, 3], 90, 100)
     q, k, v = random_qkv(rng, 90, 100, 4, 2, 64)
+    v = v[..., :dv]
     one, two = split_key_grads(mask, q, k, v, split, packed=packed)
     for name, a, b in zip(["dq", "dk", "dv"], one, two):
         np.testing.assert_array_equal(a, b, err_msg=name)
@@ -394,10 +397,14 @@ def test_forward_merged_into_a_previous_call_equals_one_call(dv):
     assert np.all(two[1][90:] == -np.inf) and np.all(two[0][90:] == 0)
 
 
-def test_forward_with_k_and_v_packed_equals_separate_ones():
-    # A stage call of the distributed forward reads the receive buffer as is: K and V side by side per row.
+@pytest.mark.parametrize("dv", [64, 40])
+def test_forward_with_k_and_v_packed_equals_separate_ones(dv):
+    # A stage call of the distributed forward reads the receive buffer as is: K and V side by side per row
+    # (a narrower v, MLA's, padded to k's head dim there and read back at its own).
     q, k, v = random_qkv(np.random.default_rng(6), 100, 120, 4, 2, 64)
+    v = v[..., :dv]
     separate, packed = packed_kv_forward(TWO_CALL_MASK, q, k, v, cut=2)
+    assert packed[0].shape == (100, 4, dv)
     for a, b in zip(separate, packed):
         np.testing.assert_array_equal(a, b)
     from magi_jax import ffa

@@ -540,6 +540,21 @@ def test_backward_with_two_key_sources_matches_one(d, split, deterministic, pack
         assert rel < (1e-6 if deterministic else 1e-3), (name, rel)   # atomic dq: summation order only
 
 
+@pytest.mark.parametrize("split", [256, 0, 200])
+def test_mla_backward_with_a_packed_second_source_matches_one(split):
+    # v 128 beside q, k 192 (the distributed layer's MLA): the packed source's V heads are 192 wide, the
+    # kernel reading and writing their first 128 columns and the handler zeroing dk2's others (checked by
+    # split_key_grads); split 0: a stage call; 200: the concat fallback's strided copies in and out.
+    rng = np.random.default_rng(split + 1)
+    mask = masks.varlen_causal([300, 250, 150])
+    q, k, v = random_qkv(rng, 700, 700, 4, 2, 192, jnp.bfloat16)
+    one, two = split_key_grads(mask, q, k, v[..., :128], split, packed=True)
+    assert one[2].shape == (700, 2, 128)
+    for name, a, b in zip(["dq", "dk", "dv"], one, two):
+        rel = np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-30)
+        assert rel < 1e-3, (name, rel)   # atomic dq: summation order only
+
+
 @pytest.mark.parametrize("shared_delta", [False, True])
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 def test_backward_chained_dq_matches_one_call(d, shared_delta):
@@ -561,12 +576,14 @@ def two_call_case(d: int, seed: int):
     return mask, random_qkv(np.random.default_rng(seed), 700, 700, 4, 2, d, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
-def test_forward_with_k_and_v_packed_gives_the_same_bits(d):
+@pytest.mark.parametrize("d, dv", [(64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)])
+def test_forward_with_k_and_v_packed_gives_the_same_bits(d, dv):
     # A distributed stage call reads the receive buffer as is, K and V side by side per row (the sm90 maps
-    # and the mma.sync loads at a row stride of 2 Hkv D): the same kernel on the same values.
+    # and the mma.sync loads at a row stride of 2 Hkv D; MLA's v 128 the first columns of V heads 192 wide):
+    # the same kernel on the same values.
     mask, (q, k, v) = two_call_case(d, seed=d + 2)
-    separate, packed = packed_kv_forward(mask, q, k, v, cut=2)
+    separate, packed = packed_kv_forward(mask, q, k, v[..., :dv], cut=2)
+    assert packed[0].shape == (700, 4, dv)
     for a, b in zip(separate, packed):
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
