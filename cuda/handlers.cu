@@ -392,15 +392,6 @@ ffi::Error FfaBwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                                        : cudaMemsetAsync(p.dq_accum, 0, accum_elems * 4, stream);
     if (err != cudaSuccess) return CudaFailure("dq accumulator", err);
   }
-  // dk2's V heads past v's head dim are padding: zeroed here, before the kernels (the memset covers the K
-  // heads' last columns too, which the kernels write after it).
-  if (v_apart && *tk2 > 0) {
-    const size_t bw = ffi::ByteWidth(k.element_type());
-    if (cudaError_t err = cudaMemset2DAsync(static_cast<char*>(dk2->untyped_data()) + dims->dv * bw, dims->d * bw, 0,
-                                            (dims->d - dims->dv) * bw, size_t(*tk2) * 2 * dims->hkv, stream);
-        err != cudaSuccess)
-      return CudaFailure("dk2 padding", err);
-  }
 
   // A second key source: the sm90 dK/dV kernel reads it and writes its gradients in place (KeySplit); every
   // other path (deterministic, mma.sync, a split row the kernel's CTAs cannot take) runs on concat(k, k2) in

@@ -419,7 +419,7 @@ ffi::Error FfaBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     }
     // Two key sources: the reference path runs on their concatenation. Packed: row r of k2 (dk2) holds K
     // then V (dK then dV), hkv heads of d elements each; V (dV) is each V head's first dv (the rest of dk2's
-    // V heads zero).
+    // V heads left as they are).
     const int64_t hkv = dims->hkv, d = dims->d, dv_dim = dims->dv, tk = dims->tk;
     const int64_t pitch = (kv2_packed ? 2 : 1) * hkv * d;  // between rows of k2 (dk2)
     T* dv2_data = kv2_packed ? Data<T>(dk2) + hkv * d : Data<T>(dv2);
@@ -437,11 +437,8 @@ ffi::Error FfaBwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     std::copy_n(dvc.begin(), tk1 * hkv * dv_dim, Data<T>(dv));
     for (int64_t r = 0; r < *tk2; ++r) {
       std::copy_n(dkc.begin() + (tk1 + r) * hkv * d, hkv * d, Data<T>(dk2) + r * pitch);
-      for (int64_t h = 0; h < hkv; ++h) {
-        T* dst = dv2_data + r * pitch + h * d;
-        std::copy_n(dvc.begin() + ((tk1 + r) * hkv + h) * dv_dim, dv_dim, dst);
-        std::fill(dst + dv_dim, dst + d, FromFloat<T>(0.0f));
-      }
+      for (int64_t h = 0; h < hkv; ++h)
+        std::copy_n(dvc.begin() + ((tk1 + r) * hkv + h) * dv_dim, dv_dim, dv2_data + r * pitch + h * d);
     }
   });
 }

@@ -15,7 +15,7 @@
 // partial results are merged by lse) [Tq, Hq] float32; v may have its own head dim Dv: v / dv [Tk, Hkv, Dv],
 // out / dout [Tq, Hq, Dv] (on CUDA D 192 with Dv 128, MLA's shapes). Packed with Dv < D (out's head dim in
 // the forward, v's in the backward), V is each V head's first Dv columns and the rest padding: unread, and
-// zero in dk2;
+// unspecified in dk2 (the caller drops it);
 // ranges int32 [N, 2] (half-open); attn_type_map int32 [N] (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL).
 // q, k, v share one dtype (bf16, fp16, fp32); out and the gradients have the inputs' dtype.
 // Logits: scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0. Rows covered by several

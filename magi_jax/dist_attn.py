@@ -395,7 +395,8 @@ def _add_partials(backs, tables, axis, local):
     """local (dK, dV of the local keys, the kernel's dtype) plus every stage's returned partials (dK and dV
     packed side by side), summed in float32 and rounded once. One stage whose partials travel in the
     kernel's dtype: added in place, touching only the rows that were sent; otherwise through a float32
-    accumulator. A dV narrower than dK is summed padded as it travels (the padding zero) and cut after."""
+    accumulator. A dV narrower than dK is summed padded as it travels and cut after (the kernels leave
+    the padding of the partials unspecified: it only ever lands in the columns cut)."""
     dtype, dv_dim = local[0].dtype, local[1].shape[-1]
     local = (local[0], ffa.pad_last_axis(local[1], local[0].shape[-1]))
     if len(backs) == 1 and backs[0][0].dtype == dtype:

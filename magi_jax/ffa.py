@@ -444,7 +444,7 @@ def _bwd_call(q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, 
     concatenating k and k2 in memory; k2, v2 None: no second source (dk2, dv2 empty). v2 None with k2: k2 is
     K and V packed [Tk2, 2, Hkv, D] (a group collective's receive buffer), and dk2 comes back packed the same
     way, dK and dV side by side (dv2 None): one buffer for the partials' return. Where v's head dim Dv is
-    below D (MLA's 192 / 128), V and dV are each packed V head's first Dv columns (dk2's others zero).
+    below D (MLA's 192 / 128), V and dV are each packed V head's first Dv columns (dk2's others unspecified).
     A backward split into calls over disjoint key sets chains dQ in float32: dq_f32=True returns dq
     unrounded in float32, plus dq_in (float32, q's shape) when given; the next call takes it as dq_in and
     adds to it in place. Not with deterministic=True. Such calls share one delta = rowsum(dout * out) - dlse

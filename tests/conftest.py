@@ -117,8 +117,8 @@ def _backward_inputs(mask: AttnMask, q, k, v, seed: int):
 def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = False, packed: bool = False):
     """The FFA backward over keys concat(k[:split], k[split:]) both ways: one key array, and two key sources
     (ffa._bwd_call's k2, v2: the distributed backward's path; packed: k2 holds K and V side by side per row,
-    [Tk2, 2, Hkv, D], and dk2 dK and dV; a narrower v padded, dk2's padding checked zero). Returns (dq, dk,
-    dv) of each, float32 numpy, the two-source dk, dv concatenated back."""
+    [Tk2, 2, Hkv, D], and dk2 dK and dV; a narrower v padded there). Returns (dq, dk, dv) of each, float32
+    numpy, the two-source dk, dv concatenated back."""
     from magi_jax import ffa
     (qr, kr, types), scale, (out, dout, lse, dlse) = _backward_inputs(mask, q, k, v, seed=split)
     args = (q, k, v, out, dout, lse, dlse, qr, kr, types)
@@ -126,16 +126,13 @@ def split_key_grads(mask: AttnMask, q, k, v, split: int, deterministic: bool = F
 
     def two(q, k, v, *a):
         if not packed:
-            return (*ffa._bwd_call(q, k[:split], v[:split], *a, scale, 0.0, deterministic, k2=k[split:],
-                                   v2=v[split:]), jnp.zeros(0))
+            return ffa._bwd_call(q, k[:split], v[:split], *a, scale, 0.0, deterministic, k2=k[split:], v2=v[split:])
         dq, dk, dv, dkv2, dv2 = ffa._bwd_call(q, k[:split], v[:split], *a, scale, 0.0, deterministic,
                                               k2=_packed(k[split:], v[split:]))
         assert dv2 is None and dkv2.shape == (k.shape[0] - split, 2, *k.shape[1:])
-        dv_dim = v.shape[-1]
-        return dq, dk, dv, dkv2[:, 0], dkv2[:, 1, ..., :dv_dim], dkv2[:, 1, ..., dv_dim:]
+        return dq, dk, dv, dkv2[:, 0], dkv2[:, 1, ..., :v.shape[-1]]
 
-    dq, dk, dv, dk2, dv2, dv2_padding = jax.jit(two)(*args)
-    assert not np.any(np.asarray(dv2_padding, np.float32)), "dk2's V heads past v's head dim must be zero"
+    dq, dk, dv, dk2, dv2 = jax.jit(two)(*args)
     as_np = lambda x: np.asarray(x, np.float32)
     return [as_np(x) for x in one], [as_np(dq), as_np(jnp.concatenate([dk, dk2])),
                                      as_np(jnp.concatenate([dv, dv2]))]

@@ -543,8 +543,8 @@ def test_backward_with_two_key_sources_matches_one(d, split, deterministic, pack
 @pytest.mark.parametrize("split", [256, 0, 200])
 def test_mla_backward_with_a_packed_second_source_matches_one(split):
     # v 128 beside q, k 192 (the distributed layer's MLA): the packed source's V heads are 192 wide, the
-    # kernel reading and writing their first 128 columns and the handler zeroing dk2's others (checked by
-    # split_key_grads); split 0: a stage call; 200: the concat fallback's strided copies in and out.
+    # kernel reading and writing their first 128 columns; split 0: a stage call; 200: the concat fallback's
+    # strided copies in and out.
     rng = np.random.default_rng(split + 1)
     mask = masks.varlen_causal([300, 250, 150])
     q, k, v = random_qkv(rng, 700, 700, 4, 2, 192, jnp.bfloat16)
