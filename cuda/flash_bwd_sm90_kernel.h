@@ -111,6 +111,25 @@ MAGI_DEV void IssueKMajorSS(float (&acc)[NT][4], uint64_t da, uint64_t db) {
   WgmmaCommit();
 }
 
+// acc += A B over kSteps k16 steps, A K-major (P^T or dS^T, [keys][rows]: steps 32 bytes apart) and B MN-major
+// (a dO or Q stage: steps 2048 bytes apart): dV += P^T dO, dK += dS^T Q. Not committed (the caller groups).
+template <typename T, int N, int kSteps, int NT>
+MAGI_DEV void AccumulateSS(float (&acc)[NT][4], uint64_t da, uint64_t db) {
+#pragma unroll
+  for (int kk = 0; kk < kSteps; ++kk)
+    Wgmma<T, N>::template SS<0, 1>(acc, DescAdd(da, kk * 32), DescAdd(db, kk * 2048), 1);
+}
+
+// acc = A B over kSteps k16 steps, both MN-major (steps 2048 bytes apart): dQ = dS K with A the dS^T buffer and B
+// the K tile. Not committed (the caller groups).
+template <typename T, int N, int kSteps, int NT>
+MAGI_DEV void IssueDqSS(float (&acc)[NT][4], uint64_t da, uint64_t db) {
+  Wgmma<T, N>::template SSZero<1, 1>(acc, da, db);
+#pragma unroll
+  for (int kk = 1; kk < kSteps; ++kk)
+    Wgmma<T, N>::template SS<1, 1>(acc, DescAdd(da, kk * 2048), DescAdd(db, kk * 2048), 1);
+}
+
 // A warpgroup's dQ buffer is the dq_map box: 128-byte lines ordered (row, 32-column chunk c), line
 // l = 2 row + c, its 16-byte units XOR-ed by l & 7 (TMA's 128-byte swizzle; the buffer is 1024-byte
 // aligned). Thread (g, t) of warp w stores row r = 16 w + 8 half + g, columns 8 di + 2 t (+1), di = 4 c + a:
@@ -413,17 +432,10 @@ MAGI_DEV void BwdSm90SplitDConsumer(const BwdSm90Params& p, unsigned char* smem,
       FenceRegs(dv);
       FenceRegs(dk);
       WgmmaFence();
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<T, kWgCols>::template SS<0, 1>(dv, DescAdd(desc_p, kk * 32), DescAdd(ddo_mn, kk * 2048), 1);
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<T, kWgCols>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
+      AccumulateSS<T, kWgCols, BM / 16>(dv, desc_p, ddo_mn);
+      AccumulateSS<T, kWgCols, BM / 16>(dk, desc_ds, dq_mn);
       WgmmaCommit();
-      Wgmma<T, kWgCols>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
-#pragma unroll
-      for (int kk = 1; kk < BN / 16; ++kk)
-        Wgmma<T, kWgCols>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+      IssueDqSS<T, kWgCols, BN / 16>(dq, desc_ds_mn, desc_k_mn);
       WgmmaCommit();
       WgmmaWait<1>();  // dV, dK have landed: the Q / dO stage is free (dQ reads K and dS^T only)
       FenceRegs(dv);
@@ -617,14 +629,9 @@ MAGI_DEV void BwdSm90RolesConsumer(const BwdSm90Params& p, unsigned char* smem, 
       float dq[DT][4];
       FenceRegs(dk);
       WgmmaFence();
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<T, D>::template SS<0, 1>(dk, DescAdd(desc_ds, kk * 32), DescAdd(dq_mn, kk * 2048), 1);
+      AccumulateSS<T, D, BM / 16>(dk, desc_ds, dq_mn);
       WgmmaCommit();
-      Wgmma<T, D>::template SSZero<1, 1>(dq, desc_ds_mn, desc_k_mn);
-#pragma unroll
-      for (int kk = 1; kk < BN / 16; ++kk)
-        Wgmma<T, D>::template SS<1, 1>(dq, DescAdd(desc_ds_mn, kk * 2048), DescAdd(desc_k_mn, kk * 2048), 1);
+      IssueDqSS<T, D, BN / 16>(dq, desc_ds_mn, desc_k_mn);
       WgmmaCommit();
       WgmmaWait<1>();  // dK has landed: the Q stage is free (dQ reads K and dS^T only)
       FenceRegs(dk);
@@ -908,10 +915,7 @@ __global__ void __launch_bounds__(BwdSm90Tile<D, Dv>::kThreads, 1)
   auto issue_dq = [&](int ds) {
     const uint64_t da = DescAdd(desc_ds, uint32_t(ds) * Tile::kDsBytes);
     WgmmaFence();
-    Wgmma<T, 64>::template SSZero<1, 1>(dq, da, desc_k_dq);
-#pragma unroll
-    for (int kk = 1; kk < kDqSteps; ++kk)
-      Wgmma<T, 64>::template SS<1, 1>(dq, DescAdd(da, kk * 2048), DescAdd(desc_k_dq, kk * 2048), 1);
+    IssueDqSS<T, 64, kDqSteps>(dq, da, desc_k_dq);
     WgmmaCommit();
   };
   constexpr int kDsReady = 6;       // named barriers 6..9: (warpgroup, step parity)
