@@ -82,7 +82,7 @@ class MeshPlan:
 def plan(mask: AttnMask, mesh: Mesh, axis: str = "cp", **kw) -> MeshPlan:
     """``magi_jax.planner.make_plan(mask, cp=mesh.shape[axis], axis=axis, **kw)`` bound to ``mesh``;
     cached (keyword values must be hashable). Keywords: chunk_size, solver, overlap, num_heads_q,
-    num_heads_kv, head_dim, cost_model, imbalance_cap."""
+    num_heads_kv, head_dim, head_dim_v, cost_model, imbalance_cap."""
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh: expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     if axis not in mesh.axis_names:

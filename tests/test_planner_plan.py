@@ -250,6 +250,21 @@ def test_cost_model_calibration_changes_stages():
     assert cal.flops_per_s == pytest.approx(4 * 8 * 64 * 1e12) and cal.bytes_per_s == pytest.approx(1e11)
 
 
+def test_head_dim_v_prices_mla_cells_and_keys():
+    """MLA (q / k 192, v 128): a cell costs q k^T at 192 plus p v at 128; a key travels as K and V both at 192
+    (packed, v padded on the wire). Without head_dim_v, v is priced at head_dim."""
+    model = CostModel()
+    assert model.cell_seconds(8, 192, 128) == pytest.approx(2 * 8 * (192 + 128) / model.flops_per_s)
+    assert model.cell_seconds(8, 192) == pytest.approx(4 * 8 * 192 / model.flops_per_s)
+    assert model.key_seconds(2, 192, 128) == model.key_seconds(2, 192) == model.key_seconds(2, 128, 192)
+    mask = varlen_causal([700, 200, 124])
+    mla = make_plan(mask, cp=4, chunk_size=16, head_dim=192, head_dim_v=128)
+    same = make_plan(mask, cp=4, chunk_size=16, head_dim=192)
+    assert (mla.head_dim, mla.head_dim_v, same.head_dim_v) == (192, 128, 192) and mla != same
+    assert mla.stats().flops == pytest.approx(2 * int(mla.stats().area.sum()) * 16 * (192 + 128))
+    assert mla.stats().predicted_time_s < same.stats().predicted_time_s
+
+
 def test_stage_timing_lets_ranks_peak_in_different_stages():
     """Rank 0 heavy on host cells, rank 1 on remote ones: with one overlap stage their peaks run at the same
     time, so degree 1 beats degree 0 (a bulk-synchronous sum of per-stage maxima would say the opposite)."""
@@ -281,6 +296,7 @@ def test_auto_overlap_prefers_a_stage_when_compute_hides_the_fetch():
     (dict(cp=2, overlap=9), "overlap"),
     (dict(cp=2, num_heads_q=6, num_heads_kv=4), "multiple"),
     (dict(cp=2, head_dim=0), "head_dim"),
+    (dict(cp=2, head_dim_v=-1), "^head_dim_v: expected"),
     (dict(cp=2, cost_model="fast"), "^cost_model: expected"),
 ])
 def test_bad_arguments(kwargs, match):

@@ -119,6 +119,7 @@ def _common(p: argparse.ArgumentParser, mask_class_default: str) -> None:
     p.add_argument("--heads-q", type=positive_int, default=16)
     p.add_argument("--heads-kv", type=positive_int, default=None)
     p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--head-dim-v", type=positive_int, default=None, help="v's head dim (default --head-dim)")
     p.add_argument("--overlap", type=_overlap, default="auto", help="stages: auto or 0..8")
     p.add_argument("--calibration", default=None, help="cost model rates from a calibration file "
                    f"(bench/calibrate.py) or a stored one by name {stored_calibrations()} "
@@ -171,7 +172,8 @@ def plan_main(argv: Sequence[str]) -> int:
         model = cost_model(a, MASK_CLASS.get(a.mask, a.mask))
         t0 = time.perf_counter()
         plan = make_plan(mask, cp=a.cp, chunk_size=a.chunk, solver=a.solver, overlap=a.overlap,
-                         num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim, cost_model=model)
+                         num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim,
+                         head_dim_v=a.head_dim_v, cost_model=model)
     except ValueError as e:
         print(f"plan: {e}")
         return 2
@@ -270,9 +272,9 @@ def simulate_one(cp: int, seed: int, per_gpu: int, solver: str, **kw) -> dict:
     seconds = s.predicted_time_s
     if solver == "all-gather":
         cm = plan.cost_model
-        cell_s = cm.cell_seconds(plan.num_heads_q, plan.head_dim)
+        cell_s = cm.cell_seconds(plan.num_heads_q, plan.head_dim, plan.head_dim_v)
         remote_max = plan.padded_seqlen - plan.local_len
-        comm = cm.collective_latency_s + cm.key_seconds(plan.num_heads_kv, plan.head_dim) * remote_max
+        comm = cm.collective_latency_s + cm.key_seconds(plan.num_heads_kv, plan.head_dim, plan.head_dim_v) * remote_max
         host = cm.launch_s + cell_s * s.host_area
         rest = cm.launch_s + cell_s * (s.area - s.host_area)
         seconds = max(host.max(), comm) + rest.max()       # gather || host attention, then the rest
@@ -301,7 +303,7 @@ def simulate_main(argv: Sequence[str]) -> int:
         print(f"simulate: {e}")
         return 2
     kw = dict(overlap=a.overlap, num_heads_q=a.heads_q, num_heads_kv=a.heads_kv, head_dim=a.head_dim,
-              cost_model=model)
+              head_dim_v=a.head_dim_v, cost_model=model)
     ratio = "comm_aware" in solvers and "minheap" in solvers
     head = ("| cp | tokens | " + " | ".join(f"{s}: max/mean area, max remote/total, TFLOP/s" for s in solvers)
             + (" | comm_aware / minheap max remote |" if ratio else " |") + " comm_aware plan s |")

@@ -72,7 +72,7 @@ class PlanStats:
     stage_comm_s: np.ndarray   # [stages]
     host_time_s: np.ndarray    # [cp] host call
     stage_time_s: np.ndarray   # [stages, cp] stage calls (degree 0: the fetched part of the one fused call)
-    flops: float               # forward FLOPs over all ranks: 4 * area * Hq * D
+    flops: float               # forward FLOPs over all ranks: 2 * area * Hq * (D + Dv)
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -184,6 +184,7 @@ class DistAttnPlan:
     num_heads_q: int
     num_heads_kv: int
     head_dim: int
+    head_dim_v: int
     cost_model: CostModel
     imbalance_cap: float
     seqlen: int
@@ -279,8 +280,8 @@ def default_chunk_size(seqlen: int, cp: int) -> int:
     return c // 128 * 128 if c >= 128 else 1 << (c.bit_length() - 1)
 
 
-def _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap,
-                cost_model):
+def _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, head_dim_v,
+                imbalance_cap, cost_model):
     if not isinstance(mask, AttnMask):
         raise TypeError(f"mask: expected a magi_jax AttnMask, got {type(mask).__name__}")
     if mask.total_seqlen_q != mask.total_seqlen_k:
@@ -289,7 +290,7 @@ def _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv
     if mask.total_seqlen_q < 1:
         raise ValueError("mask: the sequence is empty")
     for name, v in (("cp", cp), ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv),
-                    ("head_dim", head_dim)):
+                    ("head_dim", head_dim), ("head_dim_v", head_dim_v)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name}: expected a positive integer, got {v!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool)
@@ -312,7 +313,7 @@ def _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv
 def make_plan(mask: AttnMask, cp: int, chunk_size: int | None = None, solver: str = DEFAULT_SOLVER,
               overlap: int | str = "auto", num_heads_q: int = 16, num_heads_kv: int | None = None,
               head_dim: int = 128, cost_model: CostModel | None = None, imbalance_cap: float = 1.02,
-              axis: str = "cp") -> DistAttnPlan:
+              axis: str = "cp", head_dim_v: int | None = None) -> DistAttnPlan:
     """Plan self-attention with ``mask`` over ``cp`` ranks; cached on all arguments.
 
     ``chunk_size`` defaults to ``default_chunk_size(seqlen, cp)``. ``solver`` is one of ``SOLVERS``
@@ -320,16 +321,18 @@ def make_plan(mask: AttnMask, cp: int, chunk_size: int | None = None, solver: st
     chunks per rank, an even number for ``zigzag`` (``CHUNKS_PER_RANK_MULTIPLE``). ``overlap`` is the number
     of stages the remote keys are fetched in (0: all at once, then one fused call; 1..8), or "auto" for the
     cost model's best.
-    Heads and head_dim only feed the cost model. ``imbalance_cap`` bounds max/mean area for ``comm_aware``.
+    Heads, head_dim and head_dim_v (v's, default head_dim: MLA's 128 beside q / k's 192) only feed the
+    cost model. ``imbalance_cap`` bounds max/mean area for ``comm_aware``.
     """
     num_heads_kv = num_heads_q if num_heads_kv is None else num_heads_kv
-    _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, imbalance_cap,
-                cost_model)
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    _check_args(mask, cp, chunk_size, solver, overlap, num_heads_q, num_heads_kv, head_dim, head_dim_v,
+                imbalance_cap, cost_model)
     cost_model = CostModel() if cost_model is None else cost_model
     chunk_size = default_chunk_size(mask.total_seqlen_q, cp) if chunk_size is None else int(chunk_size)
     return _make_plan(mask, int(cp), chunk_size, solver, overlap if overlap == "auto" else int(overlap),
-                      int(num_heads_q), int(num_heads_kv), int(head_dim), cost_model, float(imbalance_cap),
-                      str(axis))
+                      int(num_heads_q), int(num_heads_kv), int(head_dim), int(head_dim_v), cost_model,
+                      float(imbalance_cap), str(axis))
 
 
 class _Pieces(NamedTuple):
@@ -427,8 +430,8 @@ def _freeze(*arrays: np.ndarray) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str, hq: int, hkv: int,
-               head_dim: int, model: CostModel, imbalance_cap: float, axis: str) -> DistAttnPlan:
-    key = (mask, cp, C, solver, overlap, hq, hkv, head_dim, model, imbalance_cap, axis)
+               head_dim: int, head_dim_v: int, model: CostModel, imbalance_cap: float, axis: str) -> DistAttnPlan:
+    key = (mask, cp, C, solver, overlap, hq, hkv, head_dim, head_dim_v, model, imbalance_cap, axis)
     T = mask.total_seqlen_q
     real_chunks = math.ceil(T / C)
     if real_chunks < cp:
@@ -438,7 +441,7 @@ def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str,
     n = math.ceil(T / (C * step)) * step
     T_pad, per = n * C, n // cp
     table = chunk_table(mask, C, n)
-    cell_s, key_s = model.cell_seconds(hq, head_dim), model.key_seconds(hkv, head_dim)
+    cell_s, key_s = model.cell_seconds(hq, head_dim, head_dim_v), model.key_seconds(hkv, head_dim, head_dim_v)
     parts = tuple(np.asarray(p, np.int64) for p in
                   SOLVERS[solver](table, cp, cell_cost=cell_s, key_cost=key_s, imbalance_cap=imbalance_cap))
     owner = np.empty(n, np.int64)
@@ -470,14 +473,14 @@ def _make_plan(mask: AttnMask, cp: int, C: int, solver: str, overlap: int | str,
                       imbalance=float(area.max() / max(area.mean(), 1e-300)),
                       predicted_time_s=timing.total, rank_time_s=timing.per_rank, stage_comm_s=timing.comm,
                       host_time_s=timing.host, stage_time_s=timing.comp,
-                      flops=4.0 * float(area.sum()) * hq * head_dim)
+                      flops=2.0 * float(area.sum()) * hq * (head_dim + head_dim_v))
     _freeze(dispatch_perm, undispatch_perm, table.areas, *host.__dict__.values(),
             *(a for s in stages for a in (*s.slices.__dict__.values(), s.transfers.src, s.transfers.dst,
                                           s.transfers.src_start, s.transfers.src_end, s.transfers.dst_start,
                                           s.transfers.pair_tokens)),
             *(a for a in stats.__dict__.values() if isinstance(a, np.ndarray)))
     return DistAttnPlan(mask=mask, cp=cp, axis=axis, chunk_size=C, solver=solver, overlap_degree=degree,
-                        num_heads_q=hq, num_heads_kv=hkv, head_dim=head_dim, cost_model=model,
+                        num_heads_q=hq, num_heads_kv=hkv, head_dim=head_dim, head_dim_v=head_dim_v, cost_model=model,
                         imbalance_cap=imbalance_cap, seqlen=T, padded_seqlen=T_pad,
                         partitions=tuple(tuple(int(c) for c in p) for p in parts),
                         dispatch_perm=dispatch_perm, undispatch_perm=undispatch_perm, host=host,

@@ -43,11 +43,15 @@ class CostModel:
     launch_s: float = 10e-6              # fixed cost of one attention call
     dtype_bytes: int = 2
 
-    def cell_seconds(self, num_heads_q: int, head_dim: int) -> float:
-        return 4.0 * num_heads_q * head_dim / self.flops_per_s
+    def cell_seconds(self, num_heads_q: int, head_dim: int, head_dim_v: int | None = None) -> float:
+        """Forward seconds per unmasked cell: q k^T at head_dim, p v at head_dim_v (default head_dim)."""
+        dv = head_dim if head_dim_v is None else head_dim_v
+        return 2.0 * num_heads_q * (head_dim + dv) / self.flops_per_s
 
-    def key_seconds(self, num_heads_kv: int, head_dim: int) -> float:
-        return 2.0 * num_heads_kv * head_dim * self.dtype_bytes / self.bytes_per_s   # K and V
+    def key_seconds(self, num_heads_kv: int, head_dim: int, head_dim_v: int | None = None) -> float:
+        """Seconds per key moved: K and V travel packed, both at the wider of the two head dims."""
+        width = head_dim if head_dim_v is None else max(head_dim, head_dim_v)
+        return 2.0 * num_heads_kv * width * self.dtype_bytes / self.bytes_per_s
 
     @classmethod
     def calibrated(cls, *, attn_cells: float, attn_seconds: float, num_heads_q: int, head_dim: int,
