@@ -263,6 +263,9 @@ def test_head_dim_v_prices_mla_cells_and_keys():
     assert (mla.head_dim, mla.head_dim_v, same.head_dim_v) == (192, 128, 192) and mla != same
     assert mla.stats().flops == pytest.approx(2 * int(mla.stats().area.sum()) * 16 * (192 + 128))
     assert mla.stats().predicted_time_s < same.stats().predicted_time_s
+    cal = CostModel.calibrated(attn_cells=1e9, attn_seconds=1e-3, num_heads_q=8, head_dim=192, head_dim_v=128,
+                               comm_bytes=1e8, comm_seconds=1e-3)
+    assert cal.cell_seconds(8, 192, 128) * 1e9 == pytest.approx(1e-3)   # the measured call, priced back
 
 
 def test_stage_timing_lets_ranks_peak_in_different_stages():

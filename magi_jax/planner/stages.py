@@ -55,12 +55,13 @@ class CostModel:
 
     @classmethod
     def calibrated(cls, *, attn_cells: float, attn_seconds: float, num_heads_q: int, head_dim: int,
-                   comm_bytes: float, comm_seconds: float, **kw) -> "CostModel":
-        """From one measured attention call (cells, seconds) and one measured transfer (bytes per rank,
-        seconds); ``kw`` overrides the remaining fields."""
+                   comm_bytes: float, comm_seconds: float, head_dim_v: int | None = None, **kw) -> "CostModel":
+        """From one measured attention call (cells, seconds; v at head_dim_v, default head_dim) and one
+        measured transfer (bytes per rank, seconds); ``kw`` overrides the remaining fields."""
         if min(attn_cells, attn_seconds, comm_bytes, comm_seconds) <= 0:
             raise ValueError("calibrated: cells, bytes and seconds must be positive")
-        return cls(flops_per_s=4.0 * num_heads_q * head_dim * attn_cells / attn_seconds,
+        dv = head_dim if head_dim_v is None else head_dim_v
+        return cls(flops_per_s=2.0 * num_heads_q * (head_dim + dv) * attn_cells / attn_seconds,
                    bytes_per_s=comm_bytes / comm_seconds, **kw)
 
     @classmethod
