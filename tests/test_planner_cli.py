@@ -34,6 +34,17 @@ def test_plan_other_masks(mask, capsys):
     assert "total area" in capsys.readouterr().out
 
 
+def test_plan_prices_v_at_its_own_head_dim(capsys):
+    """MLA: --head-dim-v 128 beside --head-dim 192 prices a cell at 2 Hq (192 + 128) flops, a sixth less
+    than v at 192, so the same plan's predicted time falls (the cost model's choice of stages aside)."""
+    def predicted_ms(*extra):
+        assert plan_main(["--mask", "varlen_causal", "--seqlen", "32k", "--cp", "4", "--overlap", "2",
+                          "--head-dim", "192", *extra]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("total area"))
+        return float(line.split("predicted ")[1].split(" ms")[0])
+    assert predicted_ms("--head-dim-v", "128") < predicted_ms()
+
+
 def test_plan_reports_bad_input(capsys):
     assert plan_main(["--seqlen", "4k", "--cp", "8", "--chunk", "1024"]) == 2
     assert "chunk" in capsys.readouterr().out
@@ -60,6 +71,7 @@ def test_plan_mask_families(mask, capsys):
     (plan_main, ["--cp", "2", "--plot-rank", "5"], "--plot-rank"),
     (plan_main, ["--seed", "-1"], "--seed"),
     (plan_main, ["--cp", "0"], "--cp"),
+    (plan_main, ["--head-dim-v", "0"], "--head-dim-v"),
     (simulate_main, ["--cp", "0"], "--cp"),
     (simulate_main, ["--cp", "-4"], "--cp"),
     (simulate_main, ["--cp", "4,x"], "--cp"),
