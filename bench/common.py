@@ -80,9 +80,12 @@ def busy_seconds_per_call(events: Sequence[dict], calls: int) -> float:
     return statistics.median(sum(durs[i * per:(i + 1) * per]) for i in range(calls)) * 1e-6
 
 
-def attention_flops(area: int, heads_q: int, head_dim: int, backward: bool = False) -> float:
-    """DESIGN.md section 5: forward 4 * area * Hq * D, forward+backward 3.5x that."""
-    return 4.0 * area * heads_q * head_dim * (3.5 if backward else 1.0)
+def attention_flops(area: int, heads_q: int, head_dim: int, backward: bool = False,
+                    head_dim_v: int | None = None) -> float:
+    """DESIGN.md section 5: forward 4 * area * Hq * D, forward+backward 3.5x that; with v at its own head dim
+    (MLA), q k^T at D and p v at Dv: 2 * area * Hq * (D + Dv)."""
+    dv = head_dim if head_dim_v is None else head_dim_v
+    return 2.0 * area * heads_q * (head_dim + dv) * (3.5 if backward else 1.0)
 
 
 def ratio_text(x: float) -> str:

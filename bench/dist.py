@@ -1,7 +1,8 @@
 """Distributed attention benchmark (issue 6, item 8): magi_jax against the usual context-parallel schemes,
 all running the same FFA kernel, on every visible GPU (2 or more).
 
-Methods (TFLOP/s per GPU on the unmasked area: forward 4 * area * Hq * D, forward+backward 3.5x):
+Methods (TFLOP/s per GPU on the unmasked area: forward 4 * area * Hq * D, or 2 * area * Hq * (D + Dv) with
+--head-dim-v; forward+backward 3.5x):
   magi       magi_jax.calc_attn: comm-aware dispatch, group_cast of the keys each rank needs, overlap stages
              (the plan's "auto" degree), lse merge; custom backward with group_reduce of partial dK/dV.
   allgather  zigzag dispatch (rank r holds chunks r and 2cp-1-r of every 2cp), all-gather of K and V, one
@@ -18,6 +19,7 @@ length (mean 4096, at least 256), 64k tokens per GPU by default; bf16, 16 heads,
 
     python bench/dist.py                                    # 2+ GPUs
     python bench/dist.py --dp 2                             # 8 GPUs as dp 2 x cp 4 (a batch element per group)
+    python bench/dist.py --head-dim 192 --head-dim-v 128 --masks varlen_causal    # MLA's shapes
     python bench/dist.py --profile /tmp/trace               # also a jax.profiler trace of magi fwd+bwd
     python bench/dist.py --platform cpu --gpus 4 --tokens-per-gpu 512 --heads 2 --kv-heads 2 --head-dim 64 \\
         --dtype float32 --no-append                         # smoke run on host devices
@@ -161,6 +163,11 @@ def area_of(slices) -> int:
 # ---------------------------------------------------------------------------------------------- methods
 # Each builder returns (fn(q_d, k_d, v_d) -> (out_d, lse_d) on dispatched arrays, the plan that dispatches).
 
+def head_dim_v(args) -> int:
+    """v's head dim: --head-dim-v, else --head-dim (also for argument sets made without the option)."""
+    return getattr(args, "head_dim_v", None) or args.head_dim
+
+
 def _ffa(q, k, v, rows, scale):
     return ffa._ffa(q, k, v, *rows, scale, 0.0, False, 0)
 
@@ -168,7 +175,7 @@ def _ffa(q, k, v, rows, scale):
 def build_magi(mask, mesh, args, transport=None, overlap=None, backward=None, sm_margin=None):
     overlap = (args.overlap if args.overlap == "auto" else int(args.overlap)) if overlap is None else overlap
     mp = mj.plan(mask, mesh, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
-                 overlap=overlap)
+                 head_dim_v=head_dim_v(args), overlap=overlap)
     transport = transport or args.transport
     sm_margin = args.sm_margin if sm_margin is None else sm_margin
     options = dict(transport=transport, sm_margin=sm_margin) | ({} if backward is None else dict(backward=backward))
@@ -187,7 +194,7 @@ def build_magi_tables(mask, mesh, args, headroom: float = 1.0):
 def _baseline_plan(mask, mesh, args, solver: str) -> DistAttnPlan:
     """The baselines' dispatch: ``solver``'s chunks, everything fetched in one stage (overlap 0)."""
     return make_plan(mask, mesh.shape["cp"], solver=solver, overlap=0, num_heads_q=args.heads,
-                     num_heads_kv=args.kv_heads, head_dim=args.head_dim)
+                     num_heads_kv=args.kv_heads, head_dim=args.head_dim, head_dim_v=head_dim_v(args))
 
 
 def seq_shard_map(body, mesh: Mesh):
@@ -264,7 +271,7 @@ def single_share(mask, args, cp: int):
     """The most loaded rank of magi's plan with everything fetched (degree 0): its queries [L], keys
     [L + buffer] and fused slices, for one GPU. Returns (slices, L, key length, area)."""
     plan = make_plan(mask, cp, num_heads_q=args.heads, num_heads_kv=args.kv_heads, head_dim=args.head_dim,
-                     overlap=0)
+                     head_dim_v=head_dim_v(args), overlap=0)
     fused = plan.fused_slices()
     r = int(np.argmax(plan.stats().area))
     rows = fused.of_rank(r)
@@ -279,8 +286,9 @@ def build_single(mask, args, cp: int):
     dev = jax.devices(args.platform)[0]
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(1), 3)
-    inputs = tuple(jax.device_put(jax.random.normal(kk, (t, h, args.head_dim), jnp.float32).astype(dtype), dev)
-                   for kk, t, h in zip(keys, (tq, tk, tk), (args.heads, args.kv_heads, args.kv_heads)))
+    inputs = tuple(jax.device_put(jax.random.normal(kk, (t, h, d), jnp.float32).astype(dtype), dev)
+                   for kk, t, h, d in zip(keys, (tq, tk, tk), (args.heads, args.kv_heads, args.kv_heads),
+                                          (args.head_dim, args.head_dim, head_dim_v(args))))
     rr = tuple(jax.device_put(jnp.asarray(x), dev) for x in rows)
     return (lambda q, k, v: mj.flex_flash_attn(q, k, v, *rr)), inputs, share
 
@@ -359,8 +367,9 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
     dtype = jnp.dtype(args.dtype)
     keys = jax.random.split(jax.random.key(args.seed), 3)
     batch = (dp,) if dp > 1 else ()
-    shapes = ((*batch, total, args.heads, args.head_dim), (*batch, total, args.kv_heads, args.head_dim))
-    q, k, v = (jax.random.normal(kk, shapes[min(i, 1)], jnp.float32).astype(dtype) for i, kk in enumerate(keys))
+    shapes = ((*batch, total, args.heads, args.head_dim), (*batch, total, args.kv_heads, args.head_dim),
+              (*batch, total, args.kv_heads, head_dim_v(args)))
+    q, k, v = (jax.random.normal(kk, shape, jnp.float32).astype(dtype) for kk, shape in zip(keys, shapes))
     seq_dim = len(batch)
     print(f"\n{name}: {total} tokens on {n} GPUs" + (f" (x {dp} data-parallel groups)" if dp > 1 else "")
           + f", {mask.num_slices} slices, area {area:.4g} ({area / total / total:.2%} of dense)", flush=True)
@@ -394,7 +403,7 @@ def run_mask(name: str, args, mesh: Mesh, results: list[dict]) -> None:
         for label, _ in passes:
             ms_rounds = rounds[(row["method"], label)]
             ms = float(np.median(ms_rounds))
-            tf = attention_flops(int(work), args.heads, args.head_dim, label == "fwd+bwd") / ms / 1e9
+            tf = attention_flops(int(work), args.heads, args.head_dim, label == "fwd+bwd", head_dim_v(args)) / ms / 1e9
             results.append({**row, "pass": label, "ms": ms, "ms_rounds": ms_rounds, "tflops_per_gpu": tf,
                             "note": note})
             print(f"  {row['method']:9s} {label:7s} {ms:9.3f} ms  {tf:7.1f} TFLOP/s per GPU  {note}"
@@ -431,8 +440,9 @@ def report(results: list[dict], args, n: int) -> str:
     header = ["mask", "pass", *[f"{m} TFLOP/s per GPU (ms)" for m in args.methods],
               *[f"magi / {m}" for m in args.methods if m != "magi"]]
     groups = f" x {args.dp} data-parallel groups" if args.dp > 1 else ""
+    dims = f"D {args.head_dim}" + (f", v {head_dim_v(args)}" if head_dim_v(args) != args.head_dim else "")
     notes = (f"{n} GPUs{groups}, {args.tokens_per_gpu} tokens per GPU, {jnp.dtype(args.dtype).name}, {args.heads} q heads, "
-             f"{args.kv_heads} kv heads, D {args.head_dim}; per method the median of {args.rounds} rounds (methods in "
+             f"{args.kv_heads} kv heads, {dims}; per method the median of {args.rounds} rounds (methods in "
              f"turn within a round), each the median of {args.reps} samples of {args.calls} back-to-back calls after "
              f"{args.warmup} warm-up; "
              f"TFLOP/s per GPU on the unmasked area (single: on its share). Targets (varlen causal, fwd+bwd): "
@@ -463,11 +473,11 @@ def profile(args, mesh: Mesh, log_dir: pathlib.Path) -> None:
     else:
         fn, mp = build_magi(mask, mesh, args, backward=args.profile_backward)
         dtype = jnp.dtype(args.dtype)
-        shape_q = (mp.padded_seqlen, args.heads, args.head_dim)
-        shape_k = (mp.padded_seqlen, args.kv_heads, args.head_dim)
+        shapes = ((mp.padded_seqlen, args.heads, args.head_dim), (mp.padded_seqlen, args.kv_heads, args.head_dim),
+                  (mp.padded_seqlen, args.kv_heads, head_dim_v(args)))
         sh = NamedSharding(mesh, P("cp"))
         q, k, v = (jax.device_put(jax.random.normal(jax.random.key(i), s, jnp.float32).astype(dtype), sh)
-                   for i, s in enumerate((shape_q, shape_k, shape_k)))
+                   for i, s in enumerate(shapes))
         what = f"backward {args.profile_backward or 'default'}, {mp!r}"
     g = fwd_bwd(fn) if args.profile_pass == "fwd+bwd" else jax.jit(fn)
     print(f"\nprofile: {args.masks[0]}, {args.profile_method}, {args.profile_pass}, {what}")
@@ -546,6 +556,7 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--head-dim-v", type=int, default=None, help="v's head dim (default --head-dim; MLA: 192 / 128)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--overlap", default="auto")
     ap.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ppermute"])

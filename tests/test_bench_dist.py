@@ -65,6 +65,23 @@ def test_data_parallel_groups(tmp_path, monkeypatch):
     assert dist.main(toy(gpus=4) + ["--dp", "3", "--methods", "magi"]) == 2  # 4 devices are not 3 groups
 
 
+def test_v_at_its_own_head_dim(tmp_path, monkeypatch, capsys):
+    """MLA's shapes (here q / k 64, v 32): every method takes v at 32, their outputs agree, and TFLOP/s count
+    q k^T at 64 and p v at 32 (a magi run's rate times its ms gives that flop count)."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    methods = ["magi", "allgather", "ring", "single"]
+    assert dist.main(toy() + ["--head-dim-v", "32", "--methods", *methods]) == 0
+    results = json.loads((tmp_path / "dist_bench.json").read_text())
+    assert {r["method"] for r in results} == set(methods) and all(r["pass"] != "error" for r in results)
+    for r in results:
+        if r["method"] in ("allgather", "ring"):
+            assert r["rel_diff_vs_first"] < 1e-5, r
+    magi = next(r for r in results if r["method"] == "magi" and r["pass"] == "fwd")
+    flops = magi["tflops_per_gpu"] * magi["ms"] * 1e9 * magi["gpus"]
+    assert flops == pytest.approx(2.0 * magi["area"] * 2 * (64 + 32), rel=1e-6)
+    assert "D 64, v 32" in capsys.readouterr().out
+
+
 def test_unknown_method_is_named(capsys):
     with pytest.raises(SystemExit):
         dist.main(toy() + ["--methods", "magi_margin"])
