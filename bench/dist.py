@@ -164,8 +164,8 @@ def area_of(slices) -> int:
 # Each builder returns (fn(q_d, k_d, v_d) -> (out_d, lse_d) on dispatched arrays, the plan that dispatches).
 
 def head_dim_v(args) -> int:
-    """v's head dim: --head-dim-v, else --head-dim (also for argument sets made without the option)."""
-    return getattr(args, "head_dim_v", None) or args.head_dim
+    """v's head dim: --head-dim-v, else --head-dim."""
+    return args.head_dim_v or args.head_dim
 
 
 def _ffa(q, k, v, rows, scale):
