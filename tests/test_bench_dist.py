@@ -95,6 +95,14 @@ def test_rounds_must_be_positive(capsys):
     assert "--rounds" in err and "must be >= 1, got 0" in err
 
 
+def test_head_dim_v_must_be_positive(capsys):
+    # 0 is refused by name, not taken for "the default" (--head-dim's)
+    with pytest.raises(SystemExit):
+        dist.main(toy() + ["--head-dim-v", "0"])
+    err = capsys.readouterr().err
+    assert "--head-dim-v" in err and "must be >= 1, got 0" in err
+
+
 @pytest.mark.parametrize("method", ["magi", "magi_local", "single"])
 def test_profile_runs_on_host_devices(tmp_path, method, capsys):
     # On CPUs the trace has no GPU events: the schedule's report (magi) and the profile's header still print.
