@@ -169,7 +169,7 @@ def head_dim_v(args) -> int:
 
 
 def _ffa(q, k, v, rows, scale):
-    return ffa._ffa(q, k, v, *rows, scale, 0.0, False, 0)
+    return ffa._ffa(q, k, v, *rows, scale, 0.0, False, 0, False)
 
 
 def build_magi(mask, mesh, args, transport=None, overlap=None, backward=None, sm_margin=None):

@@ -85,9 +85,12 @@ def shared_question_samples(lens: list[int]) -> list[tuple[int, list[int]]]:
 # ---------------------------------------------------------------------------------------------- baselines
 # Each takes q, k, v of shape [1, T, H, D] and returns out [1, T, H, D].
 
-def ffa(mask: AttnMask, deterministic: bool = False) -> Callable:
+def ffa(mask: AttnMask, deterministic: bool = False, max_logit: bool = False) -> Callable:
+    """max_logit: the forward also tracks each row's largest logit (return_max_logit; ffa_max_logit, its
+    cost side by side). Only out is returned: the custom call computes the rows' maxima all the same."""
     qr, kr, types_ = mask.kernel_args()
-    return lambda q, k, v: mj.flex_flash_attn(q[0], k[0], v[0], qr, kr, types_, deterministic=deterministic)[0][None]
+    return lambda q, k, v: mj.flex_flash_attn(q[0], k[0], v[0], qr, kr, types_, deterministic=deterministic,
+                                              return_max_logit=max_logit)[0][None]
 
 
 # Implementations that are FFA with a kernel chosen by environment variables the handler reads at every call
@@ -390,6 +393,8 @@ def run_case(case: Case, impls: list[str], results: list[dict], rounds: int = 3,
             continue
         if name == "ffa_det":
             fns[name] = ffa(case.mask, deterministic=True)
+        elif name == "ffa_max_logit":
+            fns[name] = ffa(case.mask, max_logit=True)
         elif is_ffa_variant(name):
             fns[name] = ffa(case.mask)
         elif name in case.baselines:
@@ -459,9 +464,8 @@ def measured(results: list[dict]) -> dict[tuple, dict]:
 
 
 COLUMNS = ("ffa", "ffa_mma", "ffa_grid", "ffa_natural", "ffa_l2all", "ffa_bwd_grid", "ffa_bwd_even", "ffa_det",
-           "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_padded", "ffa_v_padded", "ffa_stage",
-           "ffa_stage_v_padded", "jax_nn", "cudnn",
-           "tokamax", "xla_dense")
+           "ffa_max_logit", "ffa_nn", "ffa_nn_traced", "ffa_vmap", "ffa_kv_repeat", "ffa_padded", "ffa_v_padded",
+           "ffa_stage", "ffa_stage_v_padded", "jax_nn", "cudnn", "tokamax", "xla_dense")
 
 
 def table(results: list[dict]) -> str:
@@ -590,7 +594,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="*", help="case names (default: all)")
     parser.add_argument("--impls", nargs="*", default=["ffa", "ffa_mma", "cudnn", "tokamax", "xla_dense"],
-                        help="implementations; ffa_det adds FFA with deterministic=True, ffa_mma is FFA with the "
+                        help="implementations; ffa_det adds FFA with deterministic=True, ffa_max_logit with "
+                             "return_max_logit=True, ffa_mma is FFA with the "
                              "mma.sync kernels, ffa_grid the sm90 forward without its persistent scheduler, "
                              "ffa_natural without the longest-first order, ffa_l2all without L2 sections, "
                              "ffa_bwd_grid the backward's CTAs in grid order, ffa_bwd_even its consumer "

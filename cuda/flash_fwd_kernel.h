@@ -95,6 +95,15 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 2) FlashFwdKernel(FwdPar
 
   float lse[MT * 2];
   softmax.Finish(acc, scale_log2, lse);
+  if (p.max_logit != nullptr && t == 0) {
+    // The softmax's maxima are exact here, over raw scores (or softcapped logits, whose scale is 1).
+    const float unit = softcap ? 1.0f : p.scale;
+#pragma unroll
+    for (int r = 0; r < MT * 2; ++r) {
+      const int64_t row = r0 + warp_row0 + (r >> 1) * 16 + (r & 1) * 8 + g;
+      if (row < tq) p.max_logit[row * p.hq + h] = softmax.m[r] == -INFINITY ? -INFINITY : softmax.m[r] * unit;
+    }
+  }
   if (p.out_prev != nullptr)
     MergeWithPrevious<T, MT, DT>(acc, lse, static_cast<const T*>(p.out_prev), p.lse_prev, r0 + warp_row0, tq, p.hq,
                                  h, tid & 31);

@@ -204,8 +204,10 @@ MAGI_DEV void PackP(const float (&s)[NT][4], uint32_t (&pa)[NT / 2][4]) {
 // kSoftcap: the launcher picks the instantiation (p.base.softcap > 0). A template parameter rather than a
 // branch per step: the softcap path's tanhf sequences set the consumers' register peak, and with both paths in
 // one kernel ptxas kept the row sums of every step in local memory (a 28-byte spill at D 128).
-// Dv: v's and out's head dim (FwdSm90Tile).
-template <typename T, int D, int Dv, bool kSoftcap>
+// Dv: v's and out's head dim (FwdSm90Tile). kMaxLogit: each row's largest logit is tracked and written to
+// p.base.max_logit (an instantiation of its own: the kept-max step computes no row max, and the default
+// kernels' code stays as it is).
+template <typename T, int D, int Dv, bool kSoftcap, bool kMaxLogit>
 __global__ void __launch_bounds__(FwdSm90Tile<D, Dv>::kThreads, 1) FlashFwdSm90Kernel(const __grid_constant__ FwdSm90Params p) {
   using Tile = FwdSm90Tile<D, Dv>;
   constexpr int BM = Tile::kBlockM, BN = Tile::kBlockN, kStages = Tile::kStages, kChunks = Tile::kChunks;
@@ -498,6 +500,7 @@ __global__ void __launch_bounds__(FwdSm90Tile<D, Dv>::kThreads, 1) FlashFwdSm90K
     for (int di = 0; di < DT; ++di) o[di][0] = o[di][1] = o[di][2] = o[di][3] = 0.0f;
     uint32_t pa[NT / 2][4];
     Sm90RowSoftmax softmax;
+    float row_max[2] = {-INFINITY, -INFINITY};  // kMaxLogit: this thread's cells of its two rows so far
     int lo[2], hi[2];
     TileRange interior{1, 0};
 
@@ -535,6 +538,10 @@ __global__ void __launch_bounds__(FwdSm90Tile<D, Dv>::kThreads, 1) FlashFwdSm90K
         MaskRowsWarp<1, NT>(s, lo, hi, c0, t);
 #pragma unroll
         for (int r = 0; r < 2; ++r) has_keys[r] = lo[r] < hi[r] && lo[r] < c0 + BN && hi[r] > c0;
+      }
+      if constexpr (kMaxLogit) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) row_max[half] = fmaxf(row_max[half], Sm90RowSoftmax::RowMax(s[0], half));
       }
     };
     auto softmax_full = [&](float (&alpha)[2]) {
@@ -746,6 +753,19 @@ __global__ void __launch_bounds__(FwdSm90Tile<D, Dv>::kThreads, 1) FlashFwdSm90K
     if (t == 0) {
       if (row < tq) fp.lse[row * fp.hq + h] = lse[0];
       if (row + 8 < tq) fp.lse[(row + 8) * fp.hq + h] = lse[1];
+    }
+    if constexpr (kMaxLogit) {
+      // Raw scores (softcapped logits, whose scale is 1) to logits; the row's four threads' maxima joined.
+      const float unit = softcap ? 1.0f : fp.scale;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float mx = QuadMax(row_max[half]);
+        row_max[half] = mx == -INFINITY ? -INFINITY : mx * unit;
+      }
+      if (t == 0) {
+        if (row < tq) fp.max_logit[row * fp.hq + h] = row_max[0];
+        if (row + 8 < tq) fp.max_logit[(row + 8) * fp.hq + h] = row_max[1];
+      }
     }
     if constexpr (Tile::kIntraWgOverlap) WgmmaWait<0>();  // the next tile's first S (or the discarded one)
     else tile = next_tile();

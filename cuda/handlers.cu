@@ -172,7 +172,8 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
                       ffi::AnyBuffer v, ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges,
                       ffi::Buffer<ffi::S32> types, ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev,
                       float softmax_scale, float softcap, int32_t sm_margin, bool kv_packed,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                      ffi::Result<ffi::Buffer<ffi::F32>> max_logit) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
   if (kv_packed) dims->dv = PackedVHeadDim(*out, dims->d);
@@ -181,6 +182,8 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   if (sm_margin < 0) return ffi::Error::InvalidArgument("sm_margin: must be >= 0");
   auto merge = CheckMergeInputs(*out, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
+  auto wants_max = CheckMaxLogitOut(*max_logit, q);
+  if (wants_max.has_error()) return wants_max.error();
 
   if (auto err = CheckTypeAndDim(q.element_type(), dims->d); err.failure()) return err;
   // v of its own head dim: MLA's q / k 192 with v 128 (FwdSm90Tile's Dv); any other pair is padded by the caller.
@@ -234,6 +237,13 @@ ffi::Error FfaFwdImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       return CudaFailure("lse_prev", err);
     p.out_prev = out->untyped_data();
     p.lse_prev = lse->typed_data();
+  }
+  if (*wants_max) {
+    p.max_logit = max_logit->typed_data();
+    // A merging sm90 call does not visit the q blocks without keys in it: their rows are -inf from here.
+    if (*merge)
+      if (cudaError_t err = LaunchFillNegInf(p.max_logit, max_logit->element_count(), stream); err != cudaSuccess)
+        return CudaFailure("max_logit", err);
   }
   return DispatchTypeAndDim(q.element_type(), dims->d, [&](auto tag, auto dim) -> ffi::Error {
     using T = decltype(tag);

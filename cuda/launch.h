@@ -56,6 +56,9 @@ cudaError_t LaunchKernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_
 template <typename T, int D>
 cudaError_t LaunchFwd(const FwdParams& p, cudaStream_t stream);
 
+// x[0, n) = -inf (launched plainly): a merging forward's max_logit before the kernel writes the rows it visits.
+cudaError_t LaunchFillNegInf(float* x, int64_t n, cudaStream_t stream);
+
 // delta = rowsum(dout * out) - dlse over [Tq, Hq].
 template <typename T, int D>
 cudaError_t LaunchBwdDelta(const BwdParams& p, cudaStream_t stream);

@@ -1,4 +1,6 @@
-// Forward launcher and its instantiations (bf16, fp16) x (D 64, 128).
+// Forward launcher and its instantiations (bf16, fp16) x (D 64, 128); the -inf fill of max_logit.
+#include <algorithm>
+
 #include "flash_fwd_kernel.h"
 #include "launch.h"
 
@@ -14,6 +16,19 @@ cudaError_t LaunchFwd(const FwdParams& p, cudaStream_t stream) {
       err != cudaSuccess)
     return err;
   kernel<<<dim3(num_blocks, p.hq), Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+__global__ void FillNegInfKernel(float* x, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    x[i] = -INFINITY;
+}
+
+cudaError_t LaunchFillNegInf(float* x, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const unsigned grid = unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096));
+  FillNegInfKernel<<<grid, kThreads, 0, stream>>>(x, n);
   return cudaGetLastError();
 }
 

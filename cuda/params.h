@@ -40,6 +40,9 @@ struct FwdParams {
   // MergeWithPrevious), aliased to out and lse; null: none.
   const void* out_prev;
   const float* lse_prev;
+  // [Tq, Hq]: each row's largest logit over this call's keys (-inf: none), not merged with an earlier call's;
+  // null: not tracked (the sm90 kernel's instantiation without it).
+  float* max_logit;
 };
 
 // A second key source for the sm90 backward (cuda/flash_bwd_sm90_kernel.h): keys [row, Tk) of the

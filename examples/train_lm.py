@@ -8,10 +8,14 @@ padded to one magi_jax.PlanCapacity), so every batch runs the same compiled step
 dispatched order: tokens, labels and RoPE positions (magi_jax.position_ids) are dispatched once per step,
 and the attention of every layer is magi_jax.calc_attn on the (dp, cp) mesh: batch over dp, tokens over cp.
 Each layer is rematerialised in the backward pass except its attention output (magi_jax.CHECKPOINT_NAMES).
-One jitted step (forward, backward, Adam); the loss falls from ln(vocab).
+One jitted step (forward, backward, Adam); the loss falls from ln(vocab). --qk-clip TAU adds QK-clip (as
+MuonClip): the attention returns each q head's largest logit of the step (return_max_logit), and after the
+update every head whose largest logit passed TAU has its W_q scaled by TAU / that logit (its logits scale
+alike; W_k is shared by a group of q heads, so it is left as it is).
 
     python examples/train_lm.py                 # 8 CPU devices (dp 2 x cp 4) unless GPUs are present
     python examples/train_lm.py --steps 300 --cp 2 --dp 1
+    python examples/train_lm.py --qk-clip 5   # with QK-clip at 5
 """
 
 from __future__ import annotations
@@ -32,6 +36,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import magi_jax as mj  # noqa: E402
 from magi_jax.planner.cli import int_at_least  # noqa: E402
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 # Tokens per planner chunk on each platform.
@@ -95,17 +106,19 @@ def rope(x, positions):
 
 
 def block(x, layer, positions, plan, cfg):
-    """One decoder layer on the residual stream x [B, T, width]."""
+    """One decoder layer on the residual stream x [B, T, width], and the largest logit of each q head [Hq]
+    (with --qk-clip; else None)."""
     B, T, _ = x.shape
     h = rms_norm(x, layer["norm1"]).astype(cfg.dtype)
     q = (h @ layer["wq"].astype(cfg.dtype)).reshape(B, T, cfg.heads, cfg.head_dim)
     k = (h @ layer["wk"].astype(cfg.dtype)).reshape(B, T, cfg.kv_heads, cfg.head_dim)
     v = (h @ layer["wv"].astype(cfg.dtype)).reshape(B, T, cfg.kv_heads, cfg.head_dim)
     q, k = rope(q, positions), rope(k, positions)
-    attn, _ = mj.calc_attn(q, k, v, plan)
+    attn, _, *max_logit = mj.calc_attn(q, k, v, plan, return_max_logit=cfg.qk_clip is not None)
     x = x + (attn.reshape(B, T, -1) @ layer["wo"].astype(cfg.dtype)).astype(jnp.float32)
     h = rms_norm(x, layer["norm2"]).astype(cfg.dtype)
-    return x + (jax.nn.gelu(h @ layer["w1"].astype(cfg.dtype)) @ layer["w2"].astype(cfg.dtype)).astype(jnp.float32)
+    x = x + (jax.nn.gelu(h @ layer["w1"].astype(cfg.dtype)) @ layer["w2"].astype(cfg.dtype)).astype(jnp.float32)
+    return x, jnp.max(max_logit[0], axis=0) if max_logit else None   # over the batch
 
 
 # Long-context training keeps few activations: each layer is recomputed in the backward pass except the
@@ -115,29 +128,41 @@ remat_block = jax.checkpoint(block, static_argnums=(4,),
 
 
 def forward(params, tokens, positions, plan, cfg):
-    """Logits [B, T, vocab] of dispatched tokens [B, T]."""
+    """Logits [B, T, vocab] of dispatched tokens [B, T], and each layer's largest logit per q head (a list)."""
     x = params["embed"][tokens]
+    max_logits = []
     for layer in params["layers"]:
-        x = remat_block(x, layer, positions, plan, cfg)
-    return rms_norm(x, params["norm"]) @ params["head"]
+        x, max_logit = remat_block(x, layer, positions, plan, cfg)
+        max_logits.append(max_logit)
+    return rms_norm(x, params["norm"]) @ params["head"], max_logits
 
 
 def make_step(cfg, lr: float):
     def loss_fn(params, tokens, labels, weights, plan):
-        logits = forward(params, tokens, mj.position_ids(plan), plan, cfg)
+        logits, max_logits = forward(params, tokens, mj.position_ids(plan), plan, cfg)
         logp = jax.nn.log_softmax(logits, axis=-1)
         nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-        return jnp.sum(nll * weights) / jnp.sum(weights)
+        return jnp.sum(nll * weights) / jnp.sum(weights), max_logits
+
+    def qk_clip(layer, max_logit):
+        """W_q of every q head whose largest logit passed cfg.qk_clip scaled by qk_clip / that logit."""
+        factor = jnp.where(max_logit > cfg.qk_clip, cfg.qk_clip / max_logit, 1.0)
+        wq = layer["wq"].reshape(-1, cfg.heads, cfg.head_dim) * factor[None, :, None]
+        return {**layer, "wq": wq.reshape(layer["wq"].shape)}
 
     @jax.jit
     def step(params, opt, tokens, labels, weights, plan):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, labels, weights, plan)
+        (loss, max_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens, labels, weights, plan)
         t = opt["t"] + 1
         m = jax.tree.map(lambda m, g: 0.9 * m + 0.1 * g, opt["m"], grads)
         v = jax.tree.map(lambda v, g: 0.999 * v + 0.001 * g * g, opt["v"], grads)
         scale = lr * jnp.sqrt(1 - 0.999 ** t) / (1 - 0.9 ** t)
         params = jax.tree.map(lambda p, m, v: p - scale * m / (jnp.sqrt(v) + 1e-8), params, m, v)
-        return params, {"t": t, "m": m, "v": v}, loss
+        if cfg.qk_clip is None:
+            return params, {"t": t, "m": m, "v": v}, loss, jnp.nan
+        params["layers"] = [qk_clip(layer, x) for layer, x in zip(params["layers"], max_logits)]
+        largest = jnp.max(jnp.stack(max_logits)) if max_logits else -jnp.inf
+        return params, {"t": t, "m": m, "v": v}, loss, largest
     return step
 
 
@@ -158,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--width", type=int_at_least(1), default=None, help="model width (default: 128 CPU, 512 GPU)")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--qk-clip", type=positive_float, default=None, metavar="TAU",
+                    help="QK-clip: scale W_q of the q heads whose largest logit passed TAU (default: off)")
     args = ap.parse_args(argv)
 
     platform = args.platform
@@ -179,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = 64
         heads, kv_heads, head_dim = (8, 2, 128) if on_gpu else (4, 2, 64)
         dtype = jnp.bfloat16 if on_gpu else jnp.float32
+        qk_clip = args.qk_clip
     width = args.width if args.width is not None else 512 if on_gpu else 128
     seqlen = args.seqlen if args.seqlen is not None else 16384 if on_gpu else 1024
     chunk_size = CHUNK_SIZE[platform]
@@ -227,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {i}: capacity grown to {capacity}")
             tables = mj.plan_tables(plans, capacity)
         tokens, labels, weights = dispatch(tables, *make_batch(rng, [lengths for lengths, _ in batch], cfg.vocab))
-        params, opt, loss = step(params, opt, tokens, labels, weights, tables)
+        params, opt, loss, max_logit = step(params, opt, tokens, labels, weights, tables)
         batch = [packing((i + 1) * dp + b) for b in range(dp)]   # planned while the device runs this step
         losses.append(float(loss))       # waits for the step: seconds below are whole steps, planning included
         seconds.append(time.perf_counter() - start)
         if i % max(1, args.steps // 10) == 0 or i == args.steps - 1:
-            print(f"step {i:4d}  loss {losses[-1]:.4f}", flush=True)
+            clip = "" if args.qk_clip is None else f"  largest logit {float(max_logit):.3f} (clip {args.qk_clip})"
+            print(f"step {i:4d}  loss {losses[-1]:.4f}{clip}", flush=True)
     k = max(1, min(5, args.steps // 4))
     first, last = float(np.mean(losses[:k])), float(np.mean(losses[-k:]))
     print(f"loss {first:.4f} -> {last:.4f} over {args.steps} steps ({np.median(seconds) * 1e3:.1f} ms per step, "

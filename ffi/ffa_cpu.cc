@@ -125,9 +125,10 @@ BlockLists KBlockLists(const Params& p) {
 }
 
 // out_prev, lse_prev (null: none): an earlier call's results over the same rows, merged into this one's.
+// max_logit (null: not wanted): each row's largest logit over this call's keys, the softmax's running max.
 template <typename T>
 void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, const T* v, T* out, float* lse,
-             const T* out_prev, const float* lse_prev) {
+             float* max_logit, const T* out_prev, const float* lse_prev) {
   const auto& [tq, tk, hq, hkv, d, n, dv] = p.dims;
   const int64_t group = hq / hkv;
   BlockLists lists = QBlockLists(p);
@@ -192,6 +193,7 @@ void Forward(ffi::ThreadPool& pool, const Params& p, const T* q, const T* k, con
       for (int64_t j = 0; j < dv; ++j)
         o[j] = FromFloat<T>(float(w.acc[i * dv + j] * wc + (prev ? wp * ToFloat(prev[j]) : 0.0)));
       lse[at] = float(row_lse);
+      if (max_logit != nullptr) max_logit[at] = w.m[i];
     }
   });
 }
@@ -355,13 +357,16 @@ ffi::Error FfaFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                       ffi::Buffer<ffi::S32> q_ranges, ffi::Buffer<ffi::S32> k_ranges, ffi::Buffer<ffi::S32> types,
                       ffi::AnyBuffer out_prev, ffi::AnyBuffer lse_prev, float softmax_scale, float softcap,
                       int32_t /*sm_margin: a GPU launch setting*/, bool kv_packed,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse) {
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                      ffi::Result<ffi::Buffer<ffi::F32>> max_logit) {
   auto dims = CheckFfaInputs(q, k, v, q_ranges, k_ranges, types, kv_packed);
   if (dims.has_error()) return dims.error();
   if (kv_packed) dims->dv = PackedVHeadDim(*out, dims->d);
   if (auto err = CheckForwardOut(*out, q, dims->dv); err.failure()) return err;
   auto merge = CheckMergeInputs(*out, out_prev, lse_prev);
   if (merge.has_error()) return merge.error();
+  auto wants_max = CheckMaxLogitOut(*max_logit, q);
+  if (wants_max.has_error()) return wants_max.error();
   Params p = MakeParams(*dims, softmax_scale, softcap, q_ranges, k_ranges, types);
   if (kv_packed) {
     p.kv_row_heads = 2 * dims->hkv;
@@ -371,7 +376,8 @@ ffi::Error FfaFwdImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
     using T = decltype(tag);
     const T* v_data = kv_packed ? Data<T>(k) + dims->hkv * dims->d : Data<T>(v);
     Forward<T>(pool, p, Data<T>(q), Data<T>(k), v_data, Data<T>(out), lse->typed_data(),
-               *merge ? Data<T>(out_prev) : nullptr, *merge ? Data<float>(lse_prev) : nullptr);
+               *wants_max ? max_logit->typed_data() : nullptr, *merge ? Data<T>(out_prev) : nullptr,
+               *merge ? Data<float>(lse_prev) : nullptr);
   });
 }
 

@@ -1,7 +1,7 @@
 // The FFA custom-call interface shared by every platform (CPU in ffi/, CUDA in cuda/).
 //
 // Targets (registered per platform under the same names):
-//   magi_jax_ffa_fwd: (q, k, v, q_ranges, k_ranges, attn_type_map) -> (out, lse)
+//   magi_jax_ffa_fwd: (q, k, v, q_ranges, k_ranges, attn_type_map, out_prev, lse_prev) -> (out, lse, max_logit)
 //   magi_jax_ffa_bwd: (q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map, k2, v2)
 //                     -> (dq, dk, dv, dk2, dv2)
 // The backward's k2, v2 [Tk2, Hkv, D] (Tk2 may be 0) are a second key source: the keys the ranges index are
@@ -18,6 +18,9 @@
 // unspecified in dk2 (the caller drops it);
 // ranges int32 [N, 2] (half-open); attn_type_map int32 [N] (0 FULL, 1 CAUSAL, 2 INV_CAUSAL, 3 BI_CAUSAL).
 // q, k, v share one dtype (bf16, fp16, fp32); out and the gradients have the inputs' dtype.
+// The forward's max_logit: each row's largest logit over this call's keys (-inf: none), [Tq, Hq] float32, or
+// empty when not wanted (the kernels then do not track it). Not merged with an earlier call's (out_prev):
+// the caller takes the maximum.
 // Logits: scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0. Rows covered by several
 // slices take one softmax over all their keys, a cell counting once per covering slice. Empty rows: out 0,
 // lse -inf, zero gradients. Ranges outside [0, T] are clamped; reversed ranges are empty.
@@ -52,7 +55,8 @@ auto BindFfaFwd(Binding binding) {
       .template Attr<int32_t>("sm_margin")              // SMs the persistent forward leaves free
       .template Attr<bool>("kv_packed")                  // k holds K and V side by side per row (above)
       .template Ret<ffi::AnyBuffer>()                    // out
-      .template Ret<ffi::Buffer<ffi::F32>>();            // lse [Tq, Hq]
+      .template Ret<ffi::Buffer<ffi::F32>>()             // lse [Tq, Hq]
+      .template Ret<ffi::Buffer<ffi::F32>>();            // max_logit [Tq, Hq], or empty (above)
 }
 
 template <typename Binding>
@@ -171,6 +175,15 @@ inline ffi::ErrorOr<bool> CheckMergeInputs(const ffi::AnyBuffer& out, const ffi:
   auto qd = out.dimensions(), ld = lse_prev.dimensions();
   if (!has_lse || ld[0] != qd[0] || ld[1] != qd[1] || lse_prev.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("lse_prev: must be float32 [Tq, Hq] with out_prev");
+  return true;
+}
+
+// max_logit (the forward's third result): float32 [Tq, Hq], or empty. Returns whether it is wanted.
+inline ffi::ErrorOr<bool> CheckMaxLogitOut(const ffi::Buffer<ffi::F32>& max_logit, const ffi::AnyBuffer& q) {
+  auto md = max_logit.dimensions(), qd = q.dimensions();
+  if (max_logit.element_count() == 0 && md.size() != 2) return false;
+  if (md.size() != 2 || md[0] != qd[0] || md[1] != qd[1])
+    return ffi::Error::InvalidArgument("max_logit: must be float32 [Tq, Hq], or empty");
   return true;
 }
 

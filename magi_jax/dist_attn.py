@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from magi_jax import ffa
 from magi_jax.partition import typed_sharding
-from magi_jax._ffi import match_varying
+from magi_jax._ffi import match_varying, varying_axes
 from magi_jax.comm import TRANSPORTS, accumulate_partials, group_cast, own_row, return_partials
 from magi_jax.mask import AttnMask
 from magi_jax.planner.plan import DistAttnPlan, PlanCapacity, make_plan
@@ -337,6 +337,7 @@ class _Config:
     wire_dtype: str | None
     backward: str
     sm_margin: int
+    max_logit: bool  # the forward also gives each row's largest logit (return_max_logit)
 
 
 def _rows(slices, axis: str):
@@ -345,10 +346,15 @@ def _rows(slices, axis: str):
 
 def _fwd_call(cfg, q, k, v, slices, beside_transfer=False, prev=None, head_dim_v=None):
     """beside_transfer: a group_cast may run during this call, so the persistent grid leaves it SMs.
-    prev: the (out, lse) of the calls before, merged in by the kernel. v None: k is a receive buffer, K and V
-    packed [n, 2, Hkv, D], V the first head_dim_v columns of its heads."""
-    return ffa._fwd_call(q, k, v, *_rows(slices, cfg.axis), cfg.scale, cfg.softcap,
-                         cfg.sm_margin if beside_transfer else 0, prev, head_dim_v)
+    prev: the (out, lse, ...) of the calls before, out and lse merged in by the kernel, the rows' largest
+    logits (cfg.max_logit) here. v None: k is a receive buffer, K and V packed [n, 2, Hkv, D], V the first
+    head_dim_v columns of its heads."""
+    outs = ffa._fwd_call(q, k, v, *_rows(slices, cfg.axis), cfg.scale, cfg.softcap,
+                         cfg.sm_margin if beside_transfer else 0, None if prev is None else prev[:2], head_dim_v,
+                         cfg.max_logit)
+    if prev is not None and cfg.max_logit:
+        outs = (*outs[:2], jnp.maximum(prev[2], outs[2]))
+    return outs
 
 
 def _bwd_call(cfg, q, k, v, out, dout, lse, dlse, slices, kv2=None, **dq_chain):
@@ -387,7 +393,7 @@ def _concat_kv(k, v, recv):
 
 def _backward(cfg: _Config, res, cts):
     q, k, v = res[:3]
-    grads = _backward_body(cfg, res, cts)
+    grads = _backward_body(cfg, res, cts[:2])  # the rows' largest logits, if any, take no gradient
     return (*(match_varying((g,), x)[0] for g, x in zip(grads, (q, k, v))), None)
 
 
@@ -470,8 +476,9 @@ def _attn(q, k, v, tabs, cfg):
 
 
 def _attn_fwd(q, k, v, tabs, cfg):
-    out, lse = ffa.named_for_checkpoint(*_forward(q, k, v, tabs, cfg))
-    return (out, lse), (q, k, v, tabs, out, lse)
+    out, lse, *max_logit = _forward(q, k, v, tabs, cfg)
+    out, lse = ffa.named_for_checkpoint(out, lse)
+    return (out, lse, *max_logit), (q, k, v, tabs, out, lse)
 
 
 _attn.defvjp(_attn_fwd, _backward)
@@ -489,7 +496,7 @@ WIRE_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _config(p: DistAttnPlan | PlanTables, head_dim: int, softmax_scale, softcap, deterministic, transport,
-            wire_dtype, backward, sm_margin) -> _Config:
+            wire_dtype, backward, sm_margin, max_logit) -> _Config:
     if transport not in TRANSPORTS:
         raise ValueError(f"transport: expected one of {TRANSPORTS}, got {transport!r}")
     if isinstance(p, PlanTables) and transport == "ppermute":
@@ -499,7 +506,7 @@ def _config(p: DistAttnPlan | PlanTables, head_dim: int, softmax_scale, softcap,
     scale, cap = ffa.check_scale_and_softcap(softmax_scale, softcap, head_dim)
     wire = None if wire_dtype is None else _wire_dtype(wire_dtype)
     return _Config(p.axis, p.overlap_degree == 0, scale, cap, ffa.check_deterministic(deterministic), wire,
-                   backward, ffa.check_sm_margin(sm_margin))
+                   backward, ffa.check_sm_margin(sm_margin), ffa.check_flag("return_max_logit", max_logit))
 
 
 def _wire_dtype(dtype) -> str:
@@ -515,8 +522,8 @@ def _wire_dtype(dtype) -> str:
 def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *,
                     softmax_scale: float | None = None, softcap: float = 0.0, deterministic: bool = False,
                     transport: str = "auto", reduce_wire_dtype=None, backward: str = "staged",
-                    sm_margin: int = SM_MARGIN
-                    ) -> tuple[jax.Array, jax.Array]:
+                    sm_margin: int = SM_MARGIN, return_max_logit: bool = False
+                    ) -> tuple[jax.Array, ...]:
     """calc_attn's per-rank body, for callers inside their own shard_map over (at least) the plan's axis.
 
     q [L, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv]: this rank's local buffers (L = plan.local_len), or with one
@@ -530,7 +537,9 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     over the local and all fetched keys, then the partials travel back, not overlapped; 1-2% slower
     forward+backward on 2 H200s, BENCHMARKS.md 2026-11-30 08:23); ``sm_margin``: SMs that the forward calls
     running beside a group_cast leave free for it (flex_flash_attn's sm_margin; default 0: the collective,
-    launched first, keeps its SMs and the call's CTAs there join later); the rest as flex_flash_attn.
+    launched first, keeps its SMs and the call's CTAs there join later); ``return_max_logit``: a third
+    result, max_logit [.., Hq] float32, per q head the largest logit over the whole sequence's mask (the
+    ranks' maxima joined over the plan's axis), as flex_flash_attn's; the rest as flex_flash_attn.
     A plan with cp == 1 also runs outside any shard_map. ``plan`` may be PlanTables (plan_tables), whose
     arrays the caller passes into its shard_map replicated or split over the plan's axis (each rank its own
     row of every table, as calc_attn does)."""
@@ -544,7 +553,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
         raise ValueError(f"q, k, v: batch dims differ: {q.shape}, {k.shape}, {v.shape}")
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
-                  backward, sm_margin)
+                  backward, sm_margin, return_max_logit)
     tabs = p.run if isinstance(p, PlanTables) else run_tables(p, transport)
     batched = isinstance(p, PlanTables) and p.spec.batch is not None
     if batched and (q.ndim != 4 or q.shape[0] != jax.tree.leaves(tabs)[0].shape[0]):
@@ -555,17 +564,22 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     # only for the wire, where K and V travel packed).
     q, k, v = ffa.pad_head_dims(q, k, v, cfg.deterministic, v_apart=True)
     if q.ndim == 3:
-        out, lse = _attn(q, k, v, tabs, cfg)
+        out, lse, *rows = _attn(q, k, v, tabs, cfg)
     else:
         pick = (lambda b: jax.tree.map(lambda a: a[b], tabs)) if batched else (lambda b: tabs)
         outs = [_attn(q[b], k[b], v[b], pick(b), cfg) for b in range(q.shape[0])]
-        out, lse = jnp.stack([o for o, _ in outs]), jnp.stack([lse for _, lse in outs])
-    return ffa.drop_head_dim_padding(out, head_dim_v), lse
+        out, lse, *rows = (jnp.stack(x) for x in zip(*outs))
+    if not cfg.max_logit:
+        return ffa.drop_head_dim_padding(out, head_dim_v), lse
+    max_logit = jax.lax.stop_gradient(jnp.max(rows[0], axis=-2))  # not differentiable (pmax has no rule)
+    if p.axis in varying_axes(max_logit):   # inside a shard_map over the axis (cp 1 may run outside one)
+        max_logit = jax.lax.pmax(max_logit, p.axis)
+    return ffa.drop_head_dim_padding(out, head_dim_v), lse, max_logit
 
 
 def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAttnPlan | PlanTables, *,
               mesh: Mesh | None = None, batch_axes="auto", head_axes=None, **options
-              ) -> tuple[jax.Array, jax.Array]:
+              ) -> tuple[jax.Array, ...]:
     """Attention of dispatched q [T, Hq, D] over dispatched k [T, Hkv, D], v [T, Hkv, Dv] (T =
     plan.padded_seqlen) with the plan's mask; returns dispatched out [T, Hq, Dv] and lse [T, Hq] (float32).
     jit- and grad-able.
@@ -576,7 +590,7 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     split q's heads in its type where the mesh axes are Explicit and the kv heads divide by them, else
     replicated: with Auto axes give them).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype, backward, sm_margin). Under jax.checkpoint, out and lse are saveable by name
+    reduce_wire_dtype, backward, sm_margin, return_max_logit: then a third result, max_logit [.., Hq]). Under jax.checkpoint, out and lse are saveable by name
     (magi_jax.CHECKPOINT_NAMES): the backward pass then does not run the attention forward again."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
@@ -589,6 +603,9 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
         head_axes = _typed_head_axes(q, k, mesh, p.axis)
     spec = _spec(mesh, p, q.shape, seq_dim, batch_axes, head_axes, seq_dim + 1)
     lse_spec = P(*tuple(spec)[:-1])
+    out_specs = (spec, lse_spec)
+    if options.get("return_max_logit", False):   # [.., Hq]: the same on every rank of the plan's axis
+        out_specs += (P(*tuple(spec)[:seq_dim], tuple(spec)[seq_dim + 1]),)
     # Explicit mesh axes: q, k, v come as dispatch left them (heads whole, the batch as its batch_axes chose);
     # shard_map takes them only in its in_specs, so they are resharded here (Auto axes do this implicitly).
     q, k, v = (_place(x, mesh, spec) if typed_sharding(x) is not None else x for x in (q, k, v))
@@ -602,9 +619,9 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
         run = jax.tree.map(lambda a: _place(jnp.asarray(a), mesh, table_spec), p.run)   # Explicit axes: resharded
         body = functools.partial(_local_with_tables, spec=p.spec, options=options)
         return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, table_spec),
-                             out_specs=(spec, lse_spec))(q, k, v, run)
+                             out_specs=out_specs)(q, k, v, run)
     body = functools.partial(calc_attn_local, plan=p, **options)
-    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(spec, lse_spec))(q, k, v)
+    return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=out_specs)(q, k, v)
 
 
 def _typed_head_axes(q, k, mesh: Mesh, plan_axis: str):

@@ -29,8 +29,8 @@ CHECKPOINT_NAMES = ("magi_attn_out", "magi_attn_lse")
 
 def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_ranges=None,
                     attn_type_map=None, *, mask: AttnMask | None = None, softmax_scale: float | None = None,
-                    softcap: float = 0.0, deterministic: bool = False,
-                    sm_margin: int = 0) -> tuple[jax.Array, jax.Array]:
+                    softcap: float = 0.0, deterministic: bool = False, sm_margin: int = 0,
+                    return_max_logit: bool = False) -> tuple[jax.Array, ...]:
     """Attention of packed q [Tq, Hq, D] over k [Tk, Hkv, D] and v [Tk, Hkv, Dv] restricted to a flexible mask.
 
     The mask is either `mask=` (an AttnMask) or the three arrays q_ranges [N, 2], k_ranges [N, 2] and
@@ -52,6 +52,10 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     many SMs out of the forward's persistent grid (Hopper), for a collective the caller runs beside it: a
     persistent kernel holds every SM until it ends, so a communication kernel launched after it would
     otherwise wait. Differentiable in q, k, v (and through lse).
+    return_max_logit=True adds a third result, max_logit [Hq] float32 ([B, Hq] for a batch): per q head the
+    largest logit (softmax_scale * q.k, softcapped as the softmax takes it) over every cell the mask lets a
+    row attend; -inf where no row attends anything. What QK-clip (MuonClip) rescales W_q and W_k by; not
+    differentiable (its cotangent is dropped). It costs the forward a running max per row.
     Under jax.checkpoint, out and lse are saveable by name (CHECKPOINT_NAMES).
 
     Example::
@@ -70,20 +74,23 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
         q_ranges, k_ranges, attn_type_map = mask.kernel_args()
     elif any(x is None for x in (q_ranges, k_ranges, attn_type_map)):
         raise ValueError("q_ranges, k_ranges and attn_type_map are all required when mask= is not given")
+    return_max_logit = check_flag("return_max_logit", return_max_logit)
     if np.ndim(q) == 4:
         return _each_sequence(q, k, v, (q_ranges, k_ranges, attn_type_map), dict(
-            softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic, sm_margin=sm_margin))
+            softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic, sm_margin=sm_margin,
+            return_max_logit=return_max_logit))
     check_qkv(q, k, v)
     q_ranges, k_ranges, attn_type_map = check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0])
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
     head_dim_v = v.shape[-1]
     deterministic = check_deterministic(deterministic)
-    out, lse = _ffa(*pad_head_dims(q, k, v, deterministic, v_apart=True), q_ranges, k_ranges, attn_type_map,
-                    scale, cap, deterministic, check_sm_margin(sm_margin))
-    return drop_head_dim_padding(out, head_dim_v), lse
+    out, lse, *max_logit = _ffa(*pad_head_dims(q, k, v, deterministic, v_apart=True), q_ranges, k_ranges,
+                                attn_type_map, scale, cap, deterministic, check_sm_margin(sm_margin),
+                                return_max_logit)
+    return drop_head_dim_padding(out, head_dim_v), lse, *max_logit
 
 
-def _each_sequence(q, k, v, slices: tuple, options: dict) -> tuple[jax.Array, jax.Array]:
+def _each_sequence(q, k, v, slices: tuple, options: dict) -> tuple[jax.Array, ...]:
     """flex_flash_attn of a batch q [B, Tq, Hq, D], k and v [B, Tk, ...] (or [Tk, ...]: keys every sequence
     shares), slices [N, 2], [N, 2], [N] for every sequence or [B, N, 2], [B, N, 2], [B, N] each its own: a
     jax.vmap over the sequences (one packed call). Concrete slices are checked per sequence first, so that
@@ -188,9 +195,13 @@ def concrete_float(name: str, x) -> float:
 
 
 def check_deterministic(deterministic) -> bool:
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise ValueError(f"deterministic: expected True or False, got {deterministic!r}")
-    return bool(deterministic)
+    return check_flag("deterministic", deterministic)
+
+
+def check_flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
 
 
 def check_sm_margin(sm_margin) -> int:
@@ -252,12 +263,13 @@ def check_ranges(q_ranges, k_ranges, attn_type_map, tq: int, tk: int):
 
 
 def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin=0, prev=None,
-              head_dim_v=None):
+              head_dim_v=None, max_logit=False):
     """out, lse over the slices given; prev: (out, lse) of an earlier call over the same q and other keys
     (disjoint slices), merged in by the kernel and updated in place: the result is that of both calls'
-    slices together. v None: k is K and V packed, [Tk, 2, Hkv, D] (a group collective's receive buffer),
-    read as is; V is the first head_dim_v columns of its heads (default D: all). out is [Tq, Hq, Dv], v's
-    head dim (V_HEAD_DIMS: the pairs the GPU takes)."""
+    slices together. max_logit=True: a third result, each row's largest logit over this call's keys (not
+    prev's) [Tq, Hq] float32, -inf for rows without any. v None: k is K and V packed, [Tk, 2, Hkv, D] (a
+    group collective's receive buffer), read as is; V is the first head_dim_v columns of its heads (default
+    D: all). out is [Tq, Hq, Dv], v's head dim (V_HEAD_DIMS: the pairs the GPU takes)."""
     kv_packed = v is None
     if kv_packed:
         if k.ndim != 4 or k.shape[1] != 2:
@@ -280,21 +292,23 @@ def _fwd_call(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_mar
         prev = (prev[0], prev[1].astype(jnp.float32))
         aliases = {6: 0, 7: 1}
     _ffi.check_kernel_env()
-    return _ffi.call(
+    outs = _ffi.call(
         _ffi.FFA_FWD,
-        (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32)),
+        (jax.ShapeDtypeStruct(out_shape, q.dtype), jax.ShapeDtypeStruct(q.shape[:2], jnp.float32),
+         jax.ShapeDtypeStruct(q.shape[:2] if max_logit else (0,), jnp.float32)),
         q, k, v, q_ranges, k_ranges, attn_type_map, *prev, aliases=aliases, softmax_scale=np.float32(scale),
         softcap=np.float32(softcap), sm_margin=np.int32(sm_margin), kv_packed=kv_packed)
+    return outs if max_logit else outs[:2]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
-    return _forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _ffa(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin, max_logit):
+    return _forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin, max_logit)
 
 
-def _forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin):
-    return _one(_batched_fwd(scale, softcap, sm_margin), (q, True), (k, False), (v, False), (q_ranges, True),
-                (k_ranges, True), (attn_type_map, True))
+def _forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin, max_logit):
+    return _one(_batched_fwd(scale, softcap, sm_margin, max_logit), (q, True), (k, False), (v, False),
+                (q_ranges, True), (k_ranges, True), (attn_type_map, True))
 
 
 # The calls' batched form: a leading batch axis, B = 1 for a lone call, the batch of a jax.vmap otherwise.
@@ -344,25 +358,30 @@ def _unpack_tokens(x: jax.Array, batch: int, length: int) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=None)
-def _batched_fwd(scale: float, softcap: float, sm_margin: int):
+def _batched_fwd(scale: float, softcap: float, sm_margin: int, max_logit: bool):
     """The forward over (q [B, T, Hq, D], k, v, q_ranges [B, N, 2], k_ranges [B, N, 2], types [B, N]) ->
-    (out, lse): k [Tk, Hkv, D] and v one context every element shares (its keys are not copied: each
-    element's slices index the same keys), or [B, Tk, ...] each element's own."""
+    (out, lse), and with max_logit each element's largest logit per q head [B, Hq]: k [Tk, Hkv, D] and v
+    one context every element shares (its keys are not copied: each element's slices index the same keys),
+    or [B, Tk, ...] each element's own."""
     def per_device(q, k, v, q_ranges, k_ranges, types):
         if q.shape[0] == 0:
-            return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), jnp.zeros(q.shape[:-1], jnp.float32)
+            outs = (jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), jnp.zeros(q.shape[:-1], jnp.float32),
+                    jnp.full((0, q.shape[2]), -jnp.inf, jnp.float32))
+            return outs if max_logit else outs[:2]
         shared_keys = k.ndim == 3
         tk = k.shape[-3]
         if not shared_keys:
             k, v = pack_tokens(k), pack_tokens(v)
-        out, lse = _fwd_call(pack_tokens(q), k, v, _pack_ranges(q_ranges, q.shape[1]),
-                             _pack_ranges(k_ranges, tk, not shared_keys), types.reshape(-1), scale, softcap,
-                             sm_margin)
-        return _unpack_tokens(out, *q.shape[:2]), _unpack_tokens(lse, *q.shape[:2])
+        outs = _fwd_call(pack_tokens(q), k, v, _pack_ranges(q_ranges, q.shape[1]),
+                         _pack_ranges(k_ranges, tk, not shared_keys), types.reshape(-1), scale, softcap,
+                         sm_margin, max_logit=max_logit)
+        out, lse, *rows = (_unpack_tokens(x, *q.shape[:2]) for x in outs)
+        return out, lse, *(jnp.max(x, axis=1, initial=-jnp.inf) for x in rows)
 
     keys = ("sGd", "sGe"), ("bsGd", "bsGe")
+    out_layouts = ("btHe", "btH", "bH")[:3 if max_logit else 2]
     runs = {shared: partition.over_batch_and_heads(per_device, ("btHd", *keys[not shared], "bnx", "bnx", "bn"),
-                                                   ("btHe", "btH"))
+                                                   out_layouts)
             for shared in (True, False)}
 
     @jax.custom_batching.custom_vmap
@@ -383,8 +402,8 @@ def _batched_fwd(scale: float, softcap: float, sm_margin: int):
                     for x, b in ((k, k_batched), (v, v_batched)))
         q, q_ranges, k_ranges, types = (_merged(x, axis_size, b) for x, b in
                                         zip((q, q_ranges, k_ranges, types), (q_batched, *in_batched[3:])))
-        out, lse = fwd(q, k, v, q_ranges, k_ranges, types)
-        return (_unpack_tokens(out, axis_size, inner), _unpack_tokens(lse, axis_size, inner)), (True, True)
+        outs = fwd(q, k, v, q_ranges, k_ranges, types)
+        return tuple(_unpack_tokens(y, axis_size, inner) for y in outs), (True,) * len(outs)
 
     return fwd
 
@@ -424,15 +443,16 @@ def named_for_checkpoint(out: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax
     return checkpoint_name(out, CHECKPOINT_NAMES[0]), checkpoint_name(lse, CHECKPOINT_NAMES[1])
 
 
-def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin):
-    out, lse = named_for_checkpoint(*_forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap,
-                                              sm_margin))
-    return (out, lse), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
+def _ffa_fwd(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, deterministic, sm_margin, max_logit):
+    out, lse, *max_logit = _forward(q, k, v, q_ranges, k_ranges, attn_type_map, scale, softcap, sm_margin,
+                                    max_logit)
+    out, lse = named_for_checkpoint(out, lse)
+    return (out, lse, *max_logit), (q, k, v, out, lse, q_ranges, k_ranges, attn_type_map)
 
 
-def _ffa_bwd(scale, softcap, deterministic, sm_margin, residuals, cotangents):
+def _ffa_bwd(scale, softcap, deterministic, sm_margin, max_logit, residuals, cotangents):
     q, k, v, out, lse, q_ranges, k_ranges, attn_type_map = residuals
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]  # max_logit's, if any, is dropped: it is not differentiable
     dq, dk, dv = _one(_batched_bwd(scale, softcap, deterministic), *((x, True) for x in (
         q, k, v, out, dout, lse, dlse, q_ranges, k_ranges, attn_type_map)))
     return dq, dk, dv, None, None, None

@@ -99,6 +99,33 @@ def attention_dense(q, k, v, counts, softmax_scale: float | None = None, softcap
     return out, lse.astype(jnp.float32)
 
 
+def max_logit_f64(q, k, mask: AttnMask, softmax_scale: float | None = None, softcap: float = 0.0) -> np.ndarray:
+    """Per q head the largest logit over the mask's cells, float64 [Hq] (-inf where no cell is visible)."""
+    tq, hq, d = np.shape(q)
+    group = hq // np.shape(k)[1]
+    scale = d ** -0.5 if softmax_scale is None else float(softmax_scale)
+    visible = mask.to_dense() > 0
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    out = np.full(hq, -np.inf)
+    for h in range(hq):
+        raw = (q[:, h] @ k[:, h // group].T) * scale
+        logits = softcap * np.tanh(raw / softcap) if softcap > 0 else raw
+        if visible.any():
+            out[h] = logits[visible].max()
+    return out
+
+
+def max_logit_dense(q, k, counts, softmax_scale: float | None = None, softcap: float = 0.0) -> jax.Array:
+    """The same in jnp at the inputs' dtype (the tolerance rule's naive attention in its own precision)."""
+    hq, d = q.shape[1], q.shape[2]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    k = jnp.repeat(k, hq // k.shape[1], axis=1)
+    raw = jnp.einsum("qhd,khd->hqk", q, k) * jnp.asarray(scale, q.dtype)
+    logits = softcap * jnp.tanh(raw / softcap) if softcap > 0 else raw
+    masked = jnp.where(jnp.asarray(counts)[None] > 0, logits, -jnp.inf)
+    return jnp.max(masked, axis=(1, 2), initial=-jnp.inf).astype(jnp.float32)
+
+
 def error_and_bound(got, ref64, ref_lp, tiny: float = 1e-6) -> tuple[float, float]:
     """The tolerance rule of DESIGN.md section 5: accept when error <= bound, where
     error = ||got - ref64|| and bound = 2 ||ref_lp - ref64|| + tiny * max(1, ||ref64||).

@@ -39,6 +39,14 @@ def random_qkv(rng: np.random.Generator, tq: int, tk: int, hq: int, hkv: int, d:
     return tuple(jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(dtype) for s in shapes)
 
 
+def fill_free_memory(value, nbytes=1 << 30):
+    """Leaves `value` in memory XLA's allocator is likely to hand out next (outputs are never zeroed): a GPU
+    test's poison, so that an element a kernel fails to write shows."""
+    x = jnp.full((nbytes // 4,), value, jnp.float32)
+    x.block_until_ready()
+    x.delete()
+
+
 def stacked_slices(per_sequence, range_fill: int = 0) -> list[np.ndarray]:
     """One mask per sequence as flex_flash_attn's batched slices: q_ranges, k_ranges [B, N, 2] and types [B, N],
     each mask padded to the most slices with empty ones ([range_fill, range_fill), FULL) at its end."""

@@ -15,8 +15,8 @@ import magi_jax as mj
 from magi_jax import _ffi, ffa, masks
 from magi_jax.mask import AttnMask
 from magi_jax.reference import attention_dense, attention_f64
-from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, merged_forward,
-                            packed_kv_forward, random_qkv, split_key_grads)
+from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, fill_free_memory,
+                            merged_forward, packed_kv_forward, random_qkv, split_key_grads)
 
 pytestmark = pytest.mark.gpu
 
@@ -246,13 +246,6 @@ def test_deterministic_backward_is_bitwise_repeatable():
             np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
 
 
-def _fill_free_memory(value, nbytes=1 << 30):
-    """Leaves `value` in memory XLA's allocator is likely to hand out next (outputs are never zeroed)."""
-    x = jnp.full((nbytes // 4,), value, jnp.float32)
-    x.block_until_ready()
-    x.delete()
-
-
 @pytest.mark.parametrize("deterministic, d", [(False, 64), (True, 64), (False, 96)])
 def test_outputs_written_everywhere_whatever_the_garbage(deterministic, d):
     # Empty rows, unattended keys and ragged edges, run on NaN garbage and on huge-number garbage (D 96: the
@@ -266,7 +259,7 @@ def test_outputs_written_everywhere_whatever_the_garbage(deterministic, d):
     jax.block_until_ready(f(q, k, v, dout, dlse))  # compiled before the memory is poisoned
     runs = []
     for garbage in (np.nan, 3.0e38, -1.0):
-        _fill_free_memory(garbage)
+        fill_free_memory(garbage)
         runs.append([np.asarray(x, np.float32) for x in f(q, k, v, dout, dlse)])
     for run in runs:
         for name, x in zip(("out", "lse", "dq", "dk", "dv"), run):
