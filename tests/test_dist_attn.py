@@ -18,8 +18,8 @@ from magi_jax import masks
 from magi_jax.planner import make_plan
 from magi_jax.reference import attention_f64
 from tests.conftest import assert_within_rule, check_against_reference, ffi_eqns, random_qkv
-from tests.test_dist_helpers import (DOCS, check_dist, collective_dependencies, count_ops, families, global_fn,
-                                     mesh_of, random_mask, remat_grads)
+from tests.test_dist_helpers import (DOCS, check_dist, collective_dependencies, count_ops, dp2_cp4_batch, families,
+                                     global_fn, mesh_of, random_mask, remat_grads)
 
 # Every family once, the (cp, overlap) pairs rotating so that each cp and each degree 0..4 recurs.
 FAMILY_CASES = [
@@ -171,14 +171,8 @@ def test_dispatch_and_undispatch_are_transposes():
 
 def test_two_dim_mesh_dp2_cp4_batch():
     """[B, T, H, D] on a (dp 2, cp 4) mesh: batch over dp, tokens over cp; each element checked."""
-    mesh = mesh_of(4, dp=2)
-    mask = masks.block_causal(DOCS, 48)
-    mp = mj.plan(mask, mesh, axis="cp", chunk_size=16, overlap=2, num_heads_q=2, head_dim=64)
-    rng = np.random.default_rng(5)
-    T = mask.total_seqlen_q
-    qs, ks, vs = zip(*(random_qkv(rng, T, T, 2, 2, 64) for _ in range(2)))
-    q, k, v = (jnp.stack(x) for x in (qs, ks, vs))
-    dout = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    mesh, mask, mp, q, k, v = dp2_cp4_batch(seed=5)
+    dout = jnp.asarray(np.random.default_rng(6).standard_normal(q.shape), jnp.float32)
 
     @jax.jit
     def fwd_bwd(q, k, v):

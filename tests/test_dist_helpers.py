@@ -27,6 +27,18 @@ def mesh_of(cp: int, dp: int = 1, platform: str = "cpu") -> Mesh:
     return Mesh(np.array(devices[:dp * cp]).reshape(dp, cp), ("dp", "cp"))
 
 
+def dp2_cp4_batch(seed: int):
+    """A (dp 2, cp 4) mesh, a block-causal mask over DOCS planned on it (overlap 2), and fresh q, k, v
+    [2, T, 2, 64]: a batch over dp, tokens over cp. Returns (mesh, mask, plan, q, k, v)."""
+    mesh = mesh_of(4, dp=2)
+    mask = masks.block_causal(DOCS, 48)
+    mp = mj.plan(mask, mesh, axis="cp", chunk_size=16, overlap=2, num_heads_q=2, head_dim=64)
+    rng = np.random.default_rng(seed)
+    T = mask.total_seqlen_q
+    q, k, v = (jnp.stack(x) for x in zip(*(random_qkv(rng, T, T, 2, 2, 64) for _ in range(2))))
+    return mesh, mask, mp, q, k, v
+
+
 def families(docs=DOCS) -> dict[str, AttnMask]:
     """One mask of every family of magi_jax.masks."""
     total = sum(docs)

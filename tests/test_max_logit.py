@@ -14,7 +14,7 @@ from magi_jax import ffa, masks
 from magi_jax.mask import AttnMask
 from magi_jax.reference import max_logit_dense, max_logit_f64
 from tests.conftest import assert_within_rule, random_qkv, stacked_slices
-from tests.test_dist_helpers import DOCS, mesh_of
+from tests.test_dist_helpers import dp2_cp4_batch, mesh_of
 
 MASKS = {
     "varlen_causal": masks.varlen_causal([40, 90, 30]),
@@ -173,12 +173,7 @@ def test_calc_attn_max_logit_is_the_whole_sequences(name, cp, overlap):
 
 def test_calc_attn_max_logit_per_batch_element_on_a_dp_cp_mesh():
     # [B, T, H, D] on (dp 2, cp 4): [B, Hq], each element's own, split over dp like the batch.
-    mesh = mesh_of(4, dp=2)
-    mask = masks.block_causal(DOCS, 48)
-    mp = mj.plan(mask, mesh, axis="cp", chunk_size=16, overlap=2, num_heads_q=2, head_dim=64)
-    rng = np.random.default_rng(11)
-    T = mask.total_seqlen_q
-    q, k, v = (jnp.stack(x) for x in zip(*(random_qkv(rng, T, T, 2, 2, 64) for _ in range(2))))
+    mesh, mask, mp, q, k, v = dp2_cp4_batch(seed=11)
     qd, kd, vd = (mj.dispatch(x, mp, seq_dim=1) for x in (q, k, v))
     mx = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp, return_max_logit=True)[2])(qd, kd, vd)
     assert mx.shape == (2, 2) and mx.sharding.is_equivalent_to(NamedSharding(mesh, P("dp")), 2)
