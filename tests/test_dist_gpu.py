@@ -11,7 +11,8 @@ import pytest
 
 import magi_jax as mj
 from magi_jax import masks
-from tests.conftest import has_gpu, random_qkv
+from magi_jax.reference import max_logit_dense, max_logit_f64
+from tests.conftest import assert_within_rule, has_gpu, random_qkv
 from tests.test_dist_helpers import (DOCS, async_overlap,
                                      check_batched_plan_tables, check_dist, check_plan_tables,
                                      collective_dependencies, families, mesh_of, random_mask, remat_grads)
@@ -80,6 +81,23 @@ def test_bf16_mla_2gpu(backward):
     # receive buffers where it travels padded to 192 (the fused backward: 1024 local keys, then the fetched).
     check_dist(masks.varlen_causal(GDOCS), gpu_mesh(), overlap=2, hq=4, hkv=2, dtype=jnp.bfloat16, d=192, dv=128,
                chunk_size=128, backward=backward)
+
+
+@pytest.mark.parametrize("overlap", [0, 2])
+def test_bf16_max_logit_2gpu(overlap):
+    # return_max_logit through the stage calls (each merging call's rows without keys filled -inf) or the
+    # fused call, joined over the ranks: the global mask's per-head maximum; out and lse the plain call's.
+    mask = masks.varlen_causal(GDOCS)
+    mesh = gpu_mesh()
+    mp = mj.plan(mask, mesh, chunk_size=128, overlap=overlap, num_heads_q=4, num_heads_kv=2, head_dim=128)
+    q, k, v = random_qkv(np.random.default_rng(overlap), mask.total_seqlen_q, mask.total_seqlen_k, 4, 2, 128,
+                         jnp.bfloat16)
+    qd, kd, vd = (mj.dispatch(x, mp) for x in (q, k, v))
+    out, lse, mx = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp, return_max_logit=True))(qd, kd, vd)
+    assert_within_rule("max_logit", mx, max_logit_f64(q, k, mask), max_logit_dense(q, k, mask.to_dense()))
+    plain = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp))(qd, kd, vd)
+    for name, a, b in zip(("out", "lse"), (out, lse), plain):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 
 def test_fp16_head_dim_64_2gpu():
