@@ -541,7 +541,8 @@ __global__ void __launch_bounds__(FwdSm90Tile<D, Dv>::kThreads, 1) FlashFwdSm90K
       }
       if constexpr (kMaxLogit) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) row_max[half] = fmaxf(row_max[half], Sm90RowSoftmax::RowMax(s[0], half));
+        for (int half = 0; half < 2; ++half)
+          row_max[half] = fmaxf(row_max[half], Sm90RowSoftmax::RowMax(s[0], half));
       }
     };
     auto softmax_full = [&](float (&alpha)[2]) {

@@ -139,9 +139,11 @@ cudaError_t LaunchFwdSm90(const FwdParams& p, const ListBuffers& lists, int32_t*
   sp.claim_lead = ClaimLeadFromEnv(Tile::kClaimLead);
   sp.prefetch_last = EnvEquals("MAGI_JAX_SM90_PREFETCH_LAST", "0") ? 0 : 1;
   sp.group_gap = group_gap;
+  // [softcap][max_logit]
   using Kernel = decltype(&FlashFwdSm90Kernel<T, D, Dv, false, false>);
-  const Kernel kernels[2][2] = {{FlashFwdSm90Kernel<T, D, Dv, false, false>, FlashFwdSm90Kernel<T, D, Dv, false, true>},
-                                {FlashFwdSm90Kernel<T, D, Dv, true, false>, FlashFwdSm90Kernel<T, D, Dv, true, true>}};
+  const Kernel kernels[2][2] = {
+      {FlashFwdSm90Kernel<T, D, Dv, false, false>, FlashFwdSm90Kernel<T, D, Dv, false, true>},
+      {FlashFwdSm90Kernel<T, D, Dv, true, false>, FlashFwdSm90Kernel<T, D, Dv, true, true>}};
   const Kernel kernel = kernels[p.softcap > 0.0f][p.max_logit != nullptr];
   if (cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
       err != cudaSuccess)

@@ -590,8 +590,9 @@ def calc_attn(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | DistAtt
     split q's heads in its type where the mesh axes are Explicit and the kv heads divide by them, else
     replicated: with Auto axes give them).
     ``options`` go to calc_attn_local (softmax_scale, softcap, deterministic, transport,
-    reduce_wire_dtype, backward, sm_margin, return_max_logit: then a third result, max_logit [.., Hq]). Under jax.checkpoint, out and lse are saveable by name
-    (magi_jax.CHECKPOINT_NAMES): the backward pass then does not run the attention forward again."""
+    reduce_wire_dtype, backward, sm_margin, return_max_logit: then a third result, max_logit [.., Hq]).
+    Under jax.checkpoint, out and lse are saveable by name (magi_jax.CHECKPOINT_NAMES): the backward pass
+    then does not run the attention forward again."""
     p, mesh = _split(plan, mesh)
     mesh = _need_mesh(p, mesh, "calc_attn")
     for name, x in (("q", q), ("k", k), ("v", v)):
