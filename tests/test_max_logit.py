@@ -136,9 +136,12 @@ def test_forward_calls_give_their_own_rows_maxima():
 
 
 def test_return_max_logit_must_be_a_bool():
-    q, k, v = random_qkv(np.random.default_rng(9), 16, 16, 1, 1, 64)
+    q, k, v = random_qkv(np.random.default_rng(9), 64, 64, 1, 1, 64)
     with pytest.raises(ValueError, match="return_max_logit"):
-        mj.flex_flash_attn(q, k, v, mask=masks.causal(16), return_max_logit="yes")
+        mj.flex_flash_attn(q, k, v, mask=masks.causal(64), return_max_logit="yes")
+    mp = mj.plan(masks.causal(64), mesh_of(2), chunk_size=16, overlap=1, num_heads_q=1, head_dim=64)
+    with pytest.raises(ValueError, match="return_max_logit"):
+        mj.calc_attn(*(mj.dispatch(x, mp) for x in (q, k, v)), mp, return_max_logit=1)
 
 
 # ------------------------------------------------------------------------------------- distributed (calc_attn)
