@@ -556,7 +556,8 @@ def arg_parser() -> argparse.ArgumentParser:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--head-dim-v", type=positive_int, default=None, help="v's head dim (default --head-dim; MLA: 192 / 128)")
+    ap.add_argument("--head-dim-v", type=positive_int, default=None,
+                    help="v's head dim (default --head-dim; MLA: 192 / 128)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--overlap", default="auto")
     ap.add_argument("--transport", default="auto", choices=["auto", "all_to_all", "ppermute"])

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from magi_jax.mask import AttnMask
-from magi_jax.reference import attention_dense, attention_f64, error_and_bound
+from magi_jax.reference import attention_dense, attention_f64, error_and_bound, max_logit_dense, max_logit_f64
 
 
 def has_gpu() -> bool:
@@ -64,6 +64,18 @@ def assert_within_rule(name: str, got, ref64, ref_lp) -> None:
                                   err_msg=f"{name}: -inf (empty rows) misplaced")
     err, bound = error_and_bound(got, ref64, ref_lp)
     assert err <= bound, f"{name}: error {err:.3e} exceeds the bound {bound:.3e}"
+
+
+def check_max_logit(attend, mask: AttnMask, q, k, softmax_scale=None, softcap: float = 0.0) -> None:
+    """attend(return_max_logit) -> that call's results (flex_flash_attn or calc_attn on q, k and their v):
+    max_logit [Hq] float32 against float64 by the tolerance rule, and out and lse bitwise those of the call
+    without it."""
+    out, lse, got = attend(True)
+    assert got.shape == (q.shape[1],) and got.dtype == jnp.float32
+    assert_within_rule("max_logit", got, max_logit_f64(q, k, mask, softmax_scale, softcap),
+                       max_logit_dense(q, k, mask.to_dense(), softmax_scale, softcap))
+    for name, a, b in zip(("out", "lse"), (out, lse), attend(False)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 
 def check_against_reference(attn_fn, mask: AttnMask, q, k, v, rng: np.random.Generator,

@@ -12,8 +12,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import ffa, masks
 from magi_jax.mask import AttnMask
-from magi_jax.reference import max_logit_dense, max_logit_f64
-from tests.conftest import assert_within_rule, random_qkv, stacked_slices
+from magi_jax.reference import max_logit_f64
+from tests.conftest import check_max_logit, random_qkv, stacked_slices
 from tests.test_dist_helpers import dp2_cp4_batch, mesh_of
 
 MASKS = {
@@ -25,17 +25,11 @@ MASKS = {
 }
 
 
-def check_max_logit(mask, q, k, v, softmax_scale=None, softcap=0.0):
-    out, lse, got = mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=softmax_scale, softcap=softcap,
-                                       return_max_logit=True)
-    assert got.shape == (q.shape[1],) and got.dtype == jnp.float32
-    ref64 = max_logit_f64(q, k, mask, softmax_scale, softcap)
-    ref_lp = max_logit_dense(q, k, mask.to_dense(), softmax_scale, softcap)
-    assert_within_rule("max_logit", got, ref64, ref_lp)
-    # The other results are those of the call without it.
-    plain = mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=softmax_scale, softcap=softcap)
-    for name, a, b in zip(("out", "lse"), (out, lse), plain):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+def check_flex(mask, q, k, v, softmax_scale=None, softcap=0.0):
+    """flex_flash_attn's max_logit, called eagerly (conftest.check_max_logit)."""
+    attend = lambda flag: mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=softmax_scale, softcap=softcap,
+                                             return_max_logit=flag)
+    check_max_logit(attend, mask, q, k, softmax_scale, softcap)
 
 
 @pytest.mark.parametrize("name", sorted(MASKS))
@@ -44,7 +38,7 @@ def test_max_logit_against_float64(name, dtype):
     mask = MASKS[name]
     rng = np.random.default_rng(len(name))
     q, k, v = random_qkv(rng, mask.total_seqlen_q, mask.total_seqlen_k, 4, 2, 64, dtype)
-    check_max_logit(mask, q, k, v)
+    check_flex(mask, q, k, v)
 
 
 @pytest.mark.parametrize("softmax_scale, softcap", [(0.3, 0.0), (None, 2.0)])
@@ -52,7 +46,7 @@ def test_max_logit_takes_the_scale_and_softcap(softmax_scale, softcap):
     # Inputs scaled up so that the softcap bites (logits near +-softcap).
     mask = MASKS["overlapping_types"]
     q, k, v = random_qkv(np.random.default_rng(3), 200, 200, 2, 2, 64)
-    check_max_logit(mask, 3 * q, k, v, softmax_scale, softcap)
+    check_flex(mask, 3 * q, k, v, softmax_scale, softcap)
 
 
 def test_max_logit_of_heads_without_any_key_is_minus_infinity():
@@ -161,13 +155,9 @@ def test_calc_attn_max_logit_is_the_whole_sequences(name, cp, overlap):
     mp = mj.plan(mask, mesh, chunk_size=16, overlap=overlap, num_heads_q=4, num_heads_kv=2, head_dim=64)
     q, k, v = random_qkv(np.random.default_rng(cp), mask.total_seqlen_q, mask.total_seqlen_k, 4, 2, 64)
     qd, kd, vd = (mj.dispatch(x, mp) for x in (q, k, v))
-    attend = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp, return_max_logit=True))
-    out, lse, mx = attend(qd, kd, vd)
-    assert mx.shape == (4,) and tuple(mx.sharding.spec) in ((), (None,))
-    assert_within_rule("max_logit", mx, max_logit_f64(q, k, mask), max_logit_dense(q, k, mask.to_dense()))
-    plain = jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp))(qd, kd, vd)
-    for label, a, b in zip(("out", "lse"), (out, lse), plain):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=label)
+    attend = lambda flag: jax.jit(lambda q, k, v: mj.calc_attn(q, k, v, mp, return_max_logit=flag))(qd, kd, vd)
+    check_max_logit(attend, mask, q, k)
+    assert tuple(attend(True)[2].sharding.spec) in ((), (None,))
     loss = lambda flag: jax.jit(jax.grad(
         lambda q, k, v: jnp.sum(jnp.sin(mj.calc_attn(q, k, v, mp, return_max_logit=flag)[0])), argnums=(0, 1, 2)))
     for a, b in zip(loss(True)(qd, kd, vd), loss(False)(qd, kd, vd)):

@@ -11,8 +11,7 @@ import pytest
 import magi_jax as mj
 from magi_jax import _ffi, ffa, masks
 from magi_jax.mask import AttnMask
-from magi_jax.reference import max_logit_dense, max_logit_f64
-from tests.conftest import assert_within_rule, fill_free_memory, random_qkv
+from tests.conftest import check_max_logit, fill_free_memory, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -28,15 +27,10 @@ def _on_gpu():
 
 
 def check(mask, q, k, v, **kwargs):
-    """max_logit against float64 (the tolerance rule); out and lse bitwise the call's without it."""
-    fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, return_max_logit=True, **kwargs))
-    out, lse, got = fn(q, k, v)
-    scale, cap = kwargs.get("softmax_scale"), kwargs.get("softcap", 0.0)
-    assert_within_rule("max_logit", got, max_logit_f64(q, k, mask, scale, cap),
-                       max_logit_dense(q, k, mask.to_dense(), scale, cap))
-    plain = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, **kwargs))(q, k, v)
-    for name, a, b in zip(("out", "lse"), (out, lse), plain):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    """The jitted flex_flash_attn's max_logit (conftest.check_max_logit)."""
+    attend = lambda flag: jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, return_max_logit=flag,
+                                                                     **kwargs))(q, k, v)
+    check_max_logit(attend, mask, q, k, kwargs.get("softmax_scale"), kwargs.get("softcap", 0.0))
 
 
 @pytest.mark.parametrize("d, dv", [(64, 64), (96, 96), (128, 128), (192, 192), (192, 128), (256, 256)])
