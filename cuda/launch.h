@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -18,6 +19,15 @@ inline cudaError_t CurrentDeviceSms(int* sms) {
   int device = 0;
   if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
   return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
+// The strided grid of the memory-bound kernels (flash_bwd_preprocess.h, the max_logit fill): ~60 registers a
+// thread, so 4 CTAs of 256 threads per SM at once; never more CTAs than there are iterations.
+inline cudaError_t StridedGrid(int64_t iterations, unsigned* grid) {
+  int sms = 0;
+  if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
+  *grid = unsigned(std::min<int64_t>(iterations, int64_t(sms) * 4));
+  return cudaSuccess;
 }
 
 // Whether environment variable `name` is set to `value`: the launchers' measuring switches, read at every

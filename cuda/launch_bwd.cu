@@ -1,25 +1,10 @@
 // Backward launchers and their instantiations (bf16, fp16) x (D 64, 128); delta also for D 96, 192 and 256.
-#include <algorithm>
-
 #include "flash_bwd_dkdv_kernel.h"
 #include "flash_bwd_dq_kernel.h"
 #include "flash_bwd_preprocess.h"
 #include "launch.h"
 
 namespace magi_jax::cuda {
-
-namespace {
-
-// The strided grid of the memory-bound kernels (flash_bwd_preprocess.h): ~60 registers a thread, so 4 CTAs
-// of 256 threads per SM at once; never more CTAs than there are iterations.
-cudaError_t StridedGrid(int64_t iterations, unsigned* grid) {
-  int sms = 0;
-  if (cudaError_t err = CurrentDeviceSms(&sms); err != cudaSuccess) return err;
-  *grid = unsigned(std::min<int64_t>(iterations, int64_t(sms) * 4));
-  return cudaSuccess;
-}
-
-}  // namespace
 
 template <typename T, int D>
 cudaError_t LaunchBwdDelta(const BwdParams& p, cudaStream_t stream) {

@@ -1,6 +1,4 @@
 // Forward launcher and its instantiations (bf16, fp16) x (D 64, 128); the -inf fill of max_logit.
-#include <algorithm>
-
 #include "flash_fwd_kernel.h"
 #include "launch.h"
 
@@ -27,7 +25,8 @@ __global__ void FillNegInfKernel(float* x, int64_t n) {
 cudaError_t LaunchFillNegInf(float* x, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   constexpr int kThreads = 256;
-  const unsigned grid = unsigned(std::min<int64_t>((n + kThreads - 1) / kThreads, 4096));
+  unsigned grid = 0;
+  if (cudaError_t err = StridedGrid((n + kThreads - 1) / kThreads, &grid); err != cudaSuccess) return err;
   FillNegInfKernel<<<grid, kThreads, 0, stream>>>(x, n);
   return cudaGetLastError();
 }
