@@ -505,8 +505,8 @@ def _config(p: DistAttnPlan | PlanTables, head_dim: int, softmax_scale, softcap,
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     scale, cap = ffa.check_scale_and_softcap(softmax_scale, softcap, head_dim)
     wire = None if wire_dtype is None else _wire_dtype(wire_dtype)
-    return _Config(p.axis, p.overlap_degree == 0, scale, cap, ffa.check_deterministic(deterministic), wire,
-                   backward, ffa.check_sm_margin(sm_margin), ffa.check_flag("return_max_logit", max_logit))
+    return _Config(p.axis, p.overlap_degree == 0, scale, cap, ffa.check_flag("deterministic", deterministic),
+                   wire, backward, ffa.check_sm_margin(sm_margin), ffa.check_flag("return_max_logit", max_logit))
 
 
 def _wire_dtype(dtype) -> str:

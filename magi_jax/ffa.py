@@ -84,7 +84,7 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     q_ranges, k_ranges, attn_type_map = check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0])
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
     head_dim_v = v.shape[-1]
-    deterministic = check_deterministic(deterministic)
+    deterministic = check_flag("deterministic", deterministic)
     out, lse, *max_logit = _ffa(*pad_head_dims(q, k, v, deterministic, v_apart=True), q_ranges, k_ranges,
                                 attn_type_map, scale, cap, deterministic, check_sm_margin(sm_margin),
                                 return_max_logit)
@@ -193,10 +193,6 @@ def concrete_float(name: str, x) -> float:
     if not np.isfinite(value):
         raise ValueError(f"{name}: must be finite, got {value}")
     return value
-
-
-def check_deterministic(deterministic) -> bool:
-    return check_flag("deterministic", deterministic)
 
 
 def check_flag(name: str, value) -> bool:
