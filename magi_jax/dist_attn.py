@@ -36,7 +36,7 @@ A plan of overlap degree 0 fetches everything in one stage and runs one fused ca
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import jax
@@ -554,6 +554,8 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
                   backward, sm_margin, return_max_logit)
+    q, scale = ffa.sign_into_q(q, cfg.scale)
+    cfg = replace(cfg, scale=scale)
     tabs = p.run if isinstance(p, PlanTables) else run_tables(p, transport)
     batched = isinstance(p, PlanTables) and p.spec.batch is not None
     if batched and (q.ndim != 4 or q.shape[0] != jax.tree.leaves(tabs)[0].shape[0]):

@@ -177,6 +177,12 @@ def ffi_eqns(fn, *args) -> list:
     return eqns
 
 
+def attention_scales(fn, *args) -> list[float]:
+    """The softmax_scale of each FFA forward and backward call of fn (ffi_eqns), as the kernels get it."""
+    return [float(dict(e.params["attributes"])["softmax_scale"]) for e in ffi_eqns(fn, *args)
+            if e.params["target_name"] in ("magi_jax_ffa_fwd", "magi_jax_ffa_bwd")]
+
+
 def ffi_calls(fn, *args) -> dict[str, int]:
     """How often fn calls each FFI target (ffi_eqns)."""
     counts: dict[str, int] = {}

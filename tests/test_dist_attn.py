@@ -17,7 +17,7 @@ import magi_jax as mj
 from magi_jax import masks
 from magi_jax.planner import make_plan
 from magi_jax.reference import attention_f64
-from tests.conftest import assert_within_rule, check_against_reference, ffi_eqns, random_qkv
+from tests.conftest import assert_within_rule, attention_scales, check_against_reference, ffi_eqns, random_qkv
 from tests.test_dist_helpers import (DOCS, check_dist, collective_dependencies, count_ops, dp2_cp4_batch, families,
                                      global_fn, mesh_of, random_mask, remat_grads)
 
@@ -133,6 +133,17 @@ def test_mla_computes_v_at_its_own_head_dim(backward, overlap):
 def test_bf16_softcap_scale_and_wire_dtype():
     check_dist(masks.varlen_causal(DOCS), mesh_of(4), overlap=2, dtype=jnp.bfloat16, softcap=5.0,
                softmax_scale=0.2, reduce_wire_dtype=jnp.float32)
+
+
+def test_negative_scale_travels_in_q():
+    # As flex_flash_attn's (tests/test_ffa.py): every host and stage call, forward and backward, at the
+    # positive scale, the sign in q.
+    mask = masks.varlen_causal(DOCS)
+    mp = check_dist(mask, mesh_of(2), overlap=2, dtype=jnp.bfloat16, softmax_scale=-0.2)
+    q, k, v = random_qkv(np.random.default_rng(10), mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, 64)
+    loss = lambda q, k, v: jnp.sum(global_fn(mp, softmax_scale=-0.2)(q, k, v)[0])
+    scales = attention_scales(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
+    assert len(scales) >= 2 * (mp.num_stages + 1) and set(scales) == {float(np.float32(0.2))}, scales
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])

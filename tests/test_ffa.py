@@ -12,9 +12,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 import magi_jax as mj
 from magi_jax import ffa, masks
 from magi_jax.mask import AttnMask
-from tests.conftest import (assert_within_rule, chained_dq_grads, check_against_reference, ffi_calls, ffi_eqns,
-                            merged_forward, packed_kv_forward, random_qkv, remat_grads_and_calls, split_key_grads,
-                            stacked_slices)
+from tests.conftest import (assert_within_rule, attention_scales, chained_dq_grads, check_against_reference, ffi_calls,
+                            ffi_eqns, merged_forward, packed_kv_forward, random_qkv, remat_grads_and_calls,
+                            split_key_grads, stacked_slices)
 
 
 def run_case(mask, hq=2, hkv=2, d=64, dtype=jnp.float32, seed=0, **kwargs):
@@ -116,6 +116,19 @@ def test_unpacked_second_key_source_refused_where_v_has_its_own_head_dim():
 
 def test_softcap_and_scale():
     run_case(masks.sliding_window([70, 100], 30), softcap=3.0, softmax_scale=0.3)
+
+
+def test_negative_scale_travels_in_q():
+    # The CUDA kernels' softmax takes each row's maximum of q.k before scaling, under a negative scale its
+    # smallest logit: the sign reaches every call of the forward and backward in q (ffa.sign_into_q). fp16,
+    # logits spread far beyond the ~11 that P against the smallest would overflow in.
+    mask = masks.sliding_window([70, 100], 30)
+    rng = np.random.default_rng(6)
+    q, k, v = random_qkv(rng, 170, 170, 2, 2, 64, jnp.float16)
+    fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=-0.5)
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32))
+    assert attention_scales(jax.grad(loss, argnums=(0, 1, 2)), 4 * q, k, v) == [0.5, 0.5]
+    check_against_reference(fn, mask, 4 * q, k, v, rng, -0.5)
 
 
 def test_rows_with_no_key():

@@ -141,6 +141,17 @@ def test_softcap_and_scale(d):
     run_case(masks.varlen_causal([333, 200]), d=d, softcap=2.0, deterministic=True, seed=1)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_negative_scale(dtype):
+    # Logits spread by ~+-90: exponentials against each row's smallest logit (a negative scale's sign left in
+    # the kernels' softmax, which takes the maximum of q.k) would overflow, fp16's P and fp32 alike.
+    mask = masks.sliding_window([300, 400], 150)
+    rng = np.random.default_rng(31)
+    q, k, v = random_qkv(rng, 700, 700, 2, 2, 128, dtype)
+    fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=-0.5))
+    check_against_reference(fn, mask, 4 * q, k, v, rng, -0.5)
+
+
 def test_rows_and_keys_with_nothing():
     # Rows 0-99 and 300-379 are in no slice; the causal slice with Lk < Lq leaves its first rows empty;
     # keys 200-519 are attended by nobody (including whole 128-key blocks).
