@@ -141,15 +141,17 @@ def test_softcap_and_scale(d):
     run_case(masks.varlen_causal([333, 200]), d=d, softcap=2.0, deterministic=True, seed=1)
 
 
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_negative_scale(dtype):
-    # Logits spread by ~+-90: exponentials against each row's smallest logit (a negative scale's sign left in
-    # the kernels' softmax, which takes the maximum of q.k) would overflow, fp16's P and fp32 alike.
+def test_negative_scale_and_zero(dtype, scale):
+    # -0.5: logits spread by ~+-90, whose exponentials against each row's smallest logit (a negative scale's
+    # sign left in the kernels' softmax, which takes the maximum of q.k) would overflow, fp16's P and fp32
+    # alike. 0: every logit 0 (the softmax's first step compares inf * 0), the mean of the keys' v.
     mask = masks.sliding_window([300, 400], 150)
     rng = np.random.default_rng(31)
     q, k, v = random_qkv(rng, 700, 700, 2, 2, 128, dtype)
-    fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=-0.5))
-    check_against_reference(fn, mask, 4 * q, k, v, rng, -0.5)
+    fn = jax.jit(lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=scale))
+    check_against_reference(fn, mask, 4 * q, k, v, rng, scale)
 
 
 def test_rows_and_keys_with_nothing():
