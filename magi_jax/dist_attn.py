@@ -554,7 +554,7 @@ def calc_attn_local(q: jax.Array, k: jax.Array, v: jax.Array, plan: MeshPlan | D
     ffa.check_qkv(q.reshape(-1, *q.shape[-2:]), k.reshape(-1, *k.shape[-2:]), v.reshape(-1, *v.shape[-2:]))
     cfg = _config(p, q.shape[-1], softmax_scale, softcap, deterministic, transport, reduce_wire_dtype,
                   backward, sm_margin, return_max_logit)
-    q, scale = ffa.sign_into_q(q, cfg.scale)
+    q, scale = ffa.positive_scale(q, cfg.scale)
     cfg = replace(cfg, scale=scale)
     tabs = p.run if isinstance(p, PlanTables) else run_tables(p, transport)
     batched = isinstance(p, PlanTables) and p.spec.batch is not None

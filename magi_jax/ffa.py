@@ -37,8 +37,8 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     attn_type_map [N] (int32; numpy or traced: a new mask with the same N does not recompile). Concrete
     ranges are validated (named errors); traced ones cannot be: the kernels clamp them to the sequences, so
     no value reads or writes out of bounds, but invalid ones (reversed, type codes outside 0..3) give
-    unspecified results. softmax_scale and softcap are Python or NumPy numbers, finite (a negative scale runs
-    as its magnitude with q negated: sign_into_q).
+    unspecified results. softmax_scale and softcap are Python or NumPy numbers, finite (the kernels run a
+    negative or zero scale as a positive one: positive_scale).
     Returns out [Tq, Hq, Dv] in q's dtype and lse [Tq, Hq] float32 (natural log; -inf on rows with no key).
     A batch of sequences, q [B, Tq, Hq, D] with k, v [B, Tk, ...] (or [Tk, ...], keys every sequence shares),
     takes the mask (or slices [N, 2], [N]) of every sequence, or slices [B, N, 2], [B, N] each its own, and
@@ -84,7 +84,7 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     check_qkv(q, k, v)
     q_ranges, k_ranges, attn_type_map = check_ranges(q_ranges, k_ranges, attn_type_map, q.shape[0], k.shape[0])
     scale, cap = check_scale_and_softcap(softmax_scale, softcap, q.shape[-1])
-    q, scale = sign_into_q(q, scale)
+    q, scale = positive_scale(q, scale)
     head_dim_v = v.shape[-1]
     deterministic = check_flag("deterministic", deterministic)
     out, lse, *max_logit = _ffa(*pad_head_dims(q, k, v, deterministic, v_apart=True), q_ranges, k_ranges,
@@ -186,11 +186,15 @@ def check_scale_and_softcap(softmax_scale, softcap, head_dim: int) -> tuple[floa
     return scale, cap
 
 
-def sign_into_q(q: jax.Array, scale: float) -> tuple[jax.Array, float]:
-    """(q, scale) with a negative scale's sign moved into q (the same logits, scale * q.k = -scale * (-q).k):
-    the CUDA kernels' online softmax takes each row's maximum of q.k before scaling, which under a negative
-    scale is its smallest logit, and the exponentials against it overflow (fp16's P beyond a spread of ~11)."""
-    return (-q, -scale) if scale < 0.0 else (q, scale)
+def positive_scale(q: jax.Array, scale: float) -> tuple[jax.Array, float]:
+    """(q, scale) with the same logits and a positive scale, as the CUDA kernels need: a negative scale's sign
+    moves into q (scale * q.k = -scale * (-q).k), and a zero scale runs as 1 over a zero q (every logit 0).
+    Their online softmax takes each row's maximum of q.k before scaling, under a negative scale its smallest
+    logit, against which the exponentials overflow (fp16's P beyond a spread of ~11); and it masks cells with
+    -inf, which a zero scale turns into NaN."""
+    if scale > 0.0:
+        return q, scale
+    return (-q, -scale) if scale < 0.0 else (jnp.zeros_like(q), 1.0)
 
 
 def concrete_float(name: str, x) -> float:

@@ -135,15 +135,15 @@ def test_bf16_softcap_scale_and_wire_dtype():
                softmax_scale=0.2, reduce_wire_dtype=jnp.float32)
 
 
-def test_negative_scale_travels_in_q():
-    # As flex_flash_attn's (tests/test_ffa.py): every host and stage call, forward and backward, at the
-    # positive scale, the sign in q.
+@pytest.mark.parametrize("scale, kernel_scale", [(-0.2, 0.2), (0.0, 1.0)])
+def test_negative_and_zero_scales_reach_the_kernels_positive(scale, kernel_scale):
+    # As flex_flash_attn's (tests/test_ffa.py): every host and stage call, forward and backward.
     mask = masks.varlen_causal(DOCS)
-    mp = check_dist(mask, mesh_of(2), overlap=2, dtype=jnp.bfloat16, softmax_scale=-0.2)
+    mp = check_dist(mask, mesh_of(2), overlap=2, dtype=jnp.bfloat16, softmax_scale=scale)
     q, k, v = random_qkv(np.random.default_rng(10), mask.total_seqlen_q, mask.total_seqlen_k, 2, 2, 64)
-    loss = lambda q, k, v: jnp.sum(global_fn(mp, softmax_scale=-0.2)(q, k, v)[0])
+    loss = lambda q, k, v: jnp.sum(global_fn(mp, softmax_scale=scale)(q, k, v)[0])
     scales = attention_scales(jax.grad(loss, argnums=(0, 1, 2)), q, k, v)
-    assert len(scales) >= 2 * (mp.num_stages + 1) and set(scales) == {float(np.float32(0.2))}, scales
+    assert len(scales) >= 2 * (mp.num_stages + 1) and set(scales) == {float(np.float32(kernel_scale))}, scales
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4, 8])

@@ -118,17 +118,19 @@ def test_softcap_and_scale():
     run_case(masks.sliding_window([70, 100], 30), softcap=3.0, softmax_scale=0.3)
 
 
-def test_negative_scale_travels_in_q():
-    # The CUDA kernels' softmax takes each row's maximum of q.k before scaling, under a negative scale its
-    # smallest logit: the sign reaches every call of the forward and backward in q (ffa.sign_into_q). fp16,
-    # logits spread far beyond the ~11 that P against the smallest would overflow in.
+@pytest.mark.parametrize("scale, kernel_scale", [(-0.5, 0.5), (0.0, 1.0)])
+def test_negative_and_zero_scales_reach_the_kernels_positive(scale, kernel_scale):
+    # The CUDA kernels' softmax takes each row's maximum of q.k before scaling (under a negative scale its
+    # smallest logit) and masks cells with -inf (times a zero scale: NaN): every call of the forward and
+    # backward gets a positive scale, the same logits in q (ffa.positive_scale). fp16, logits spread far
+    # beyond the ~11 that P against the smallest would overflow in.
     mask = masks.sliding_window([70, 100], 30)
     rng = np.random.default_rng(6)
     q, k, v = random_qkv(rng, 170, 170, 2, 2, 64, jnp.float16)
-    fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=-0.5)
+    fn = lambda q, k, v: mj.flex_flash_attn(q, k, v, mask=mask, softmax_scale=scale)
     loss = lambda q, k, v: jnp.sum(fn(q, k, v)[0].astype(jnp.float32))
-    assert attention_scales(jax.grad(loss, argnums=(0, 1, 2)), 4 * q, k, v) == [0.5, 0.5]
-    check_against_reference(fn, mask, 4 * q, k, v, rng, -0.5)
+    assert attention_scales(jax.grad(loss, argnums=(0, 1, 2)), 4 * q, k, v) == [kernel_scale] * 2
+    check_against_reference(fn, mask, 4 * q, k, v, rng, scale)
 
 
 def test_rows_with_no_key():

@@ -146,7 +146,8 @@ def test_softcap_and_scale(d):
 def test_negative_scale_and_zero(dtype, scale):
     # -0.5: logits spread by ~+-90, whose exponentials against each row's smallest logit (a negative scale's
     # sign left in the kernels' softmax, which takes the maximum of q.k) would overflow, fp16's P and fp32
-    # alike. 0: every logit 0 (the softmax's first step compares inf * 0), the mean of the keys' v.
+    # alike. 0: every logit 0, the mean of the keys' v (a zero scale left in the kernels would make their
+    # masked cells' -inf NaN). ffa.positive_scale.
     mask = masks.sliding_window([300, 400], 150)
     rng = np.random.default_rng(31)
     q, k, v = random_qkv(rng, 700, 700, 2, 2, 128, dtype)

@@ -41,7 +41,7 @@ def test_max_logit_against_float64(name, dtype):
     check_flex(mask, q, k, v)
 
 
-@pytest.mark.parametrize("softmax_scale, softcap", [(0.3, 0.0), (None, 2.0), (-0.3, 0.0)])
+@pytest.mark.parametrize("softmax_scale, softcap", [(0.3, 0.0), (None, 2.0), (-0.3, 0.0), (0.0, 0.0)])
 def test_max_logit_takes_the_scale_and_softcap(softmax_scale, softcap):
     # Inputs scaled up so that the softcap bites (logits near +-softcap).
     mask = MASKS["overlapping_types"]

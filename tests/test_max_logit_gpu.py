@@ -47,6 +47,7 @@ def test_softcap_and_scale(d):
     q, k, v = random_qkv(np.random.default_rng(d), 777, 901, 2, 2, d, jnp.bfloat16)
     check(MASK, 3 * q, k, v, softmax_scale=0.2, softcap=4.0)
     check(MASK, 3 * q, k, v, softmax_scale=-0.2)  # the largest logit, not the largest q.k
+    check(MASK, 3 * q, k, v, softmax_scale=0.0)
 
 
 def test_long_walks_and_many_short_tiles():
