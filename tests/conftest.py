@@ -66,16 +66,17 @@ def assert_within_rule(name: str, got, ref64, ref_lp) -> None:
     assert err <= bound, f"{name}: error {err:.3e} exceeds the bound {bound:.3e}"
 
 
-def check_max_logit(attend, mask: AttnMask, q, k, softmax_scale=None, softcap: float = 0.0) -> None:
+def check_max_logit(attend, mask: AttnMask, q, k, softmax_scale=None, softcap: float = 0.0) -> jax.Array:
     """attend(return_max_logit) -> that call's results (flex_flash_attn or calc_attn on q, k and their v):
     max_logit [Hq] float32 against float64 by the tolerance rule, and out and lse bitwise those of the call
-    without it."""
+    without it. Returns that max_logit."""
     out, lse, got = attend(True)
     assert got.shape == (q.shape[1],) and got.dtype == jnp.float32
     assert_within_rule("max_logit", got, max_logit_f64(q, k, mask, softmax_scale, softcap),
                        max_logit_dense(q, k, mask.to_dense(), softmax_scale, softcap))
     for name, a, b in zip(("out", "lse"), (out, lse), attend(False)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+    return got
 
 
 def check_against_reference(attn_fn, mask: AttnMask, q, k, v, rng: np.random.Generator,
