@@ -56,8 +56,8 @@ def flex_flash_attn(q: jax.Array, k: jax.Array, v: jax.Array, q_ranges=None, k_r
     return_max_logit=True adds a third result, max_logit [Hq] float32 ([B, Hq] for a batch): per q head the
     largest logit (softmax_scale * q.k, softcapped as the softmax takes it) over every cell the mask lets a
     row attend; -inf where no row attends anything. What QK-clip (MuonClip) rescales W_q and W_k by; not
-    differentiable (its cotangent is dropped). It costs the forward a running max per row (on an H100, 9-13%
-    of a D 128 forward, 1-3.4% of forward+backward; BENCHMARKS.md 2026-12-06 and 2026-12-07).
+    differentiable (its cotangent is dropped). It costs the forward a running max per row (on an H100, 5-15%
+    of a D 128 forward, up to 3.4% of forward+backward; BENCHMARKS.md 2026-12-06 and 2026-12-07).
     Under jax.checkpoint, out and lse are saveable by name (CHECKPOINT_NAMES).
 
     Example::
