@@ -14,6 +14,7 @@
 # smoke.log, tests.log, bench.log, kernel_bench.json, kernel_bench.md, and one more (ncu_profile.sh's).
 #   QUICK=1 bash cuda/device_run.sh             # about 6 minutes
 #   SKIP_BENCH=1 MMA=1 TEST_WORKERS=8 bash cuda/device_run.sh   # every kernel test, both kernel families
+# Every one-GPU test on libraries built beforehand, in ~5 minutes: cuda/gpu_suite.sh.
 set -u
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
