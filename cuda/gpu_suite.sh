@@ -10,11 +10,14 @@ mkdir -p "$OUT"
 [ -n "${LIB:-}" ] && cp "$LIB"/_ffi_cpu*.so "$LIB"/libmagi_jax_cuda.so magi_jax/
 export PYTHONPATH=$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name --format=csv,noheader
+status=0  # 1 once a group fails or times out
 run_group() {  # run_group NAME TIMEOUT PYTEST_ARGS...
   local name=$1 limit=$2 t0=$(date +%s)
   shift 2
   timeout "$limit" python3 -m pytest -m gpu -p no:cacheprovider -v -rfE --durations=8 "$@" > "$OUT/$name.log" 2>&1
-  echo "$name: rc $? in $(( $(date +%s) - t0 )) s; $(grep -c ' PASSED' "$OUT/$name.log") passed," \
+  local rc=$?
+  [ $rc = 0 ] || status=1
+  echo "$name: rc $rc in $(( $(date +%s) - t0 )) s; $(grep -c ' PASSED' "$OUT/$name.log") passed," \
     "$(grep -cE ' (FAILED|ERROR)' "$OUT/$name.log") failed"
   grep -E " (FAILED|ERROR) " "$OUT/$name.log" | sed 's/.*::/  /' | head -20
   pkill -9 -f "python3 -m pytest" || true  # xdist workers outlive a pytest killed by its timeout
@@ -25,3 +28,4 @@ run_group ffa 200 -n 8 tests/test_ffa_gpu.py tests/test_range_ops_gpu.py tests/t
 run_group sm90 180 -n 4 tests/test_ffa_sm90_gpu.py
 run_group mma 150 -n 8 tests/test_ffa_mma_gpu.py -k "not one_million"
 run_group one_million 60 tests/test_ffa_gpu.py tests/test_ffa_mma_gpu.py -k one_million
+exit $status
