@@ -5,6 +5,7 @@
 # names what passed; logs go to $OUT.
 #   LIB=so/main bash cuda/gpu_suite.sh   # LIB: a folder holding libmagi_jax_cuda.so and _ffi_cpu*.so
 set -u
+cd "$(dirname "$0")/.."  # PYTHONPATH and the test paths are the repository root's
 OUT=${OUT:-/tmp/magi_out}
 mkdir -p "$OUT"
 [ -n "${LIB:-}" ] && cp "$LIB"/_ffi_cpu*.so "$LIB"/libmagi_jax_cuda.so magi_jax/
