@@ -75,3 +75,14 @@ def test_exported_step_sharded_over_explicit_axes():
     with jax.set_mesh(mesh):
         got, want = _round_trip(fn, q, k, v)
     _assert_same(got, want)
+
+
+def test_version_is_the_installed_packages():
+    """An exported step runs where the same version is imported, so __version__ must be what pip installed."""
+    from importlib import metadata
+    try:
+        installed = metadata.version("magi_jax")
+    except metadata.PackageNotFoundError:
+        pytest.skip("magi_jax runs from the source tree, not installed (Bazel)")
+    assert mj.__version__ == installed
+    assert all(part.isdigit() for part in mj.__version__.split("."))
